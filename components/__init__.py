@@ -1,0 +1,1 @@
+"""Independent building blocks of Kiln: config, data, tokenizer, checkpointing, optimizers, metrics."""
