@@ -1,0 +1,226 @@
+"""Pre-tokenized token streams and a layout-invariant batch loader.
+
+Documents are tokenized once into a flat memmap (BOS doc EOS BOS doc EOS ...) and read as
+non-overlapping windows of seq_len + 1 tokens. The global batch of step k is a pure function of
+(seed, k, global batch size, seq_len): a seeded permutation of the windows per epoch, cut into
+consecutive global batches. Data-parallel rank r takes its rows of it. So every layout sees the
+same global batch, and the loader's whole resume state is the step.
+"""
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from components.corpus import EMBEDDED_DATASETS, read_documents
+from components.errors import KilnError
+from components.tokenizer import Tokenizer
+
+_ENCODE_CHUNK = 512  # documents per encode_batch call: bounded memory, still fast
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype that holds every token id."""
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def _chunks(items: Iterable[str], size: int) -> Iterable[list[str]]:
+    chunk: list[str] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def write_token_file(documents: Iterable[str], tokenizer: Tokenizer, out: Path) -> int:
+    """Tokenize documents (BOS + text + EOS each) into a flat binary file; returns the token count.
+
+    Written under a temporary name and renamed, so a crash or a concurrent writer never leaves a
+    half-written file under the final name.
+    """
+    dtype = token_dtype(tokenizer.vocab_size)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    total = 0
+    with open(tmp, "wb") as f:
+        for chunk in _chunks(documents, _ENCODE_CHUNK):
+            for ids in tokenizer.encode_batch(chunk, bos=True, eos=True):
+                arr = np.asarray(ids, dtype=dtype)
+                f.write(arr.tobytes())
+                total += len(arr)
+    os.replace(tmp, out)
+    out.with_suffix(".json").write_text(json.dumps({"tokens": total, "dtype": dtype.name}))
+    return total
+
+
+def cached_token_file(source: Path, tokenizer: Tokenizer, cache_dir: Path) -> Path:
+    """Tokenize `source` (jsonl/txt, plain or gz) into cache_dir once; later calls reuse the file.
+
+    The file name carries a hash of the source bytes and the tokenizer, so a changed corpus or
+    tokenizer never reads a stale cache.
+    """
+    if not source.exists():
+        raise KilnError(f"dataset file not found: {source}")
+    digest = hashlib.sha256()
+    digest.update(tokenizer.fingerprint.encode())
+    with open(source, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    name = source.name.split(".")[0]
+    out = cache_dir / f"{name}-{digest.hexdigest()[:16]}.bin"
+    if not out.exists():
+        write_token_file(read_documents(source), tokenizer, out)
+    return out
+
+
+def resolve_dataset(name: str, path: str) -> dict[str, Path]:
+    """The files of each split: `path` (a folder with train.* / val.*, or one file = train only)
+    when given, else the embedded dataset called `name`. A `.bin` file is an already prepared
+    token stream (scripts/prepare_data.py)."""
+    if path:
+        p = Path(path)
+        if p.is_dir():
+            splits = {}
+            for split in ("train", "val"):
+                found = sorted(p.glob(f"{split}.*"))
+                found = [f for f in found if not f.name.endswith(".json")]
+                if found:
+                    splits[split] = found[0]
+            if "train" not in splits:
+                raise KilnError(f"training.dataset_path {path} has no train.* file")
+            return splits
+        if not p.exists():
+            raise KilnError(f"training.dataset_path not found: {path}")
+        return {"train": p}
+    if name not in EMBEDDED_DATASETS:
+        raise KilnError(
+            f"unknown training.dataset {name!r}; embedded datasets: {', '.join(EMBEDDED_DATASETS)} "
+            f"(or give a file or folder in training.dataset_path)"
+        )
+    return dict(EMBEDDED_DATASETS[name])
+
+
+def token_file_for(source: Path, tokenizer: Tokenizer, cache_dir: Path) -> Path:
+    """A prepared .bin is used as is; text sources are tokenized into the cache once."""
+    return source if source.suffix == ".bin" else cached_token_file(source, tokenizer, cache_dir)
+
+
+class TokenWindows:
+    """A token file read as non-overlapping windows of seq_len + 1 tokens (inputs and shifted labels)."""
+
+    def __init__(self, path: Path, seq_len: int, vocab_size: int) -> None:
+        if not Path(path).exists():
+            raise KilnError(f"token file not found: {path}")
+        self.path = Path(path)
+        self.tokens = np.memmap(path, dtype=token_dtype(vocab_size), mode="r")
+        self.seq_len = seq_len
+        self.num_windows = max(0, (len(self.tokens) - 1) // seq_len)
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def rows(self, indices: np.ndarray) -> torch.Tensor:
+        """The windows at `indices` as an int64 tensor [len(indices), seq_len + 1]."""
+        s = self.seq_len
+        out = np.stack([self.tokens[i * s : i * s + s + 1] for i in indices]).astype(np.int64)
+        return torch.from_numpy(out)
+
+
+def global_batch_indices(step: int, global_batch_size: int, num_windows: int, seed: int) -> np.ndarray:
+    """Window indices of the global batch of `step` (1-based): a function of its arguments alone.
+
+    Batches are consecutive slices of an endless sequence of epochs, each epoch a permutation of
+    all windows seeded by (seed, epoch); a batch may straddle two epochs.
+    """
+    start = (step - 1) * global_batch_size
+    positions = np.arange(start, start + global_batch_size)
+    epochs = positions // num_windows
+    out = np.empty(global_batch_size, dtype=np.int64)
+    for epoch in np.unique(epochs):
+        perm = np.random.default_rng([seed, int(epoch)]).permutation(num_windows)
+        mask = epochs == epoch
+        out[mask] = perm[positions[mask] % num_windows]
+    return out
+
+
+class BatchLoader:
+    """Yields, for each training step, this data-parallel rank's microbatches of (inputs, labels).
+
+    The global batch is laid out [microbatch][dp rank][local row]; the loader is Stateful and its
+    state is the next step, so resuming in any layout continues the same sequence of batches.
+    """
+
+    def __init__(self, windows: TokenWindows, global_batch_size: int, local_batch_size: int,
+                 dp_rank: int, dp_degree: int, seed: int) -> None:
+        rows_per_microbatch = local_batch_size * dp_degree
+        if global_batch_size % rows_per_microbatch != 0:
+            raise KilnError(
+                f"training.global_batch_size {global_batch_size} must be divisible by "
+                f"local_batch_size {local_batch_size} × data-parallel degree {dp_degree} = "
+                f"{rows_per_microbatch}"
+            )
+        if len(windows) < global_batch_size:
+            raise KilnError(
+                f"the corpus {windows.path.name} is too short: {len(windows.tokens)} tokens make "
+                f"{len(windows)} windows of seq_len+1 = {windows.seq_len + 1} tokens, but one global "
+                f"batch needs {global_batch_size}"
+            )
+        self.windows = windows
+        self.global_batch_size = global_batch_size
+        self.local_batch_size = local_batch_size
+        self.dp_rank, self.dp_degree = dp_rank, dp_degree
+        self.microbatches = global_batch_size // rows_per_microbatch
+        self.seed = seed
+        self.step = 1  # the step whose batch comes next
+
+    def batch(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's microbatches for `step` (does not move the loader)."""
+        idx = global_batch_indices(step, self.global_batch_size, len(self.windows), self.seed)
+        b, d = self.local_batch_size, self.dp_degree
+        out = []
+        for m in range(self.microbatches):
+            start = m * b * d + self.dp_rank * b
+            rows = self.windows.rows(idx[start : start + b])
+            out.append((rows[:, :-1], rows[:, 1:]))
+        return out
+
+    def __iter__(self) -> "BatchLoader":
+        return self
+
+    def __next__(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        batch = self.batch(self.step)
+        self.step += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "seed": self.seed, "global_batch_size": self.global_batch_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+
+def validation_batches(windows: TokenWindows, local_batch_size: int, dp_rank: int, dp_degree: int,
+                       max_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The validation split in order, in rounds of local_batch_size × dp rows (-1 = every full round)."""
+    per_round = local_batch_size * dp_degree
+    rounds = len(windows) // per_round
+    if max_steps >= 0:
+        rounds = min(rounds, max_steps)
+    if rounds == 0:
+        raise KilnError(
+            f"the validation split has {len(windows)} windows, fewer than one round of "
+            f"local_batch_size × dp = {per_round}"
+        )
+    out = []
+    for r in range(rounds):
+        start = r * per_round + dp_rank * local_batch_size
+        rows = windows.rows(np.arange(start, start + local_batch_size))
+        out.append((rows[:, :-1], rows[:, 1:]))
+    return out

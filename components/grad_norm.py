@@ -1,0 +1,44 @@
+"""Gradient-norm clipping over parameters that live on different device meshes.
+
+torch.nn.utils.clip_grad_norm_ stacks every per-parameter norm, which fails when DTensors sit on
+different meshes (e.g. FSDP-only embeddings beside FSDP×TP blocks). Here each mesh group gets
+its own norm, made whole with full_tensor(), and the groups are combined by hand.
+"""
+
+from collections import defaultdict
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def _group_by_mesh(grads: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        groups[g.device_mesh if isinstance(g, DTensor) else None].append(g)
+    return groups
+
+
+@torch.no_grad()
+def total_grad_norm(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The 2-norm of all gradients together, the same on every rank (a plain tensor)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    group_norms = []
+    for group in _group_by_mesh(grads).values():
+        norm = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g, 2, dtype=torch.float32) for g in group]), 2
+        )
+        group_norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    device = group_norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in group_norms]), 2)
+
+
+@torch.no_grad()
+def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale gradients so their total norm is at most max_norm (max_norm <= 0: measure only)."""
+    params = [p for p in parameters if p.grad is not None]
+    total = total_grad_norm(params)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total

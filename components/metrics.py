@@ -1,0 +1,97 @@
+"""Console lines, metrics.jsonl and TensorBoard; tokens/s, TFLOP/s, MFU and memory per step."""
+
+import json
+import platform
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from components.peak_flops import PeakFlops
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocator peak on GPU, peak resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib * (1 if platform.system() != "Darwin" else 1 / 1024) / 2**20
+
+
+class MetricsLogger:
+    """Turns per-step numbers into a console line, a metrics.jsonl row and TensorBoard scalars.
+
+    Throughput is measured between logged steps: tokens processed per device per second.
+    Only the main rank writes; other ranks keep timing so their numbers would agree.
+    """
+
+    def __init__(self, dump_folder: Path, *, is_main: bool, device: torch.device,
+                 flops_per_token: int, peak: PeakFlops, total_steps: int,
+                 tensorboard_dir: Path | None = None) -> None:
+        self.is_main = is_main
+        self.device = device
+        self.flops_per_token = flops_per_token
+        self.peak = peak
+        self.total_steps = total_steps
+        self.path = Path(dump_folder) / "metrics.jsonl"
+        self.start = time.perf_counter()
+        self._last_time = self.start
+        self._tokens_since = 0
+        self._writer = None
+        if is_main:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", buffering=1)
+            if tensorboard_dir is not None:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._writer = SummaryWriter(log_dir=str(tensorboard_dir))
+
+    def count_tokens(self, tokens_per_device: int) -> None:
+        """Add the tokens this device processed in a step (called every step)."""
+        self._tokens_since += tokens_per_device
+
+    def log_step(self, step: int, loss: float, grad_norm: float, lr: float, tokens: int) -> dict:
+        """Emit one training row; `tokens` is the total trained on so far (all devices)."""
+        now = time.perf_counter()
+        elapsed = max(now - self._last_time, 1e-9)
+        tps = self._tokens_since / elapsed
+        tflops = tps * self.flops_per_token / 1e12
+        mfu = 100.0 * tflops / self.peak.tflops if self.peak.tflops > 0 else 0.0
+        self._last_time, self._tokens_since = now, 0
+        row = {
+            "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
+            "tps": round(tps, 2), "tflops": round(tflops, 5), "mfu": round(mfu, 4),
+            "mem_gib": round(memory_gib(self.device), 4), "time": round(now - self.start, 3),
+        }
+        if self.is_main:
+            width = len(str(self.total_steps))
+            print(
+                f"step {step:>{width}}/{self.total_steps}  loss {loss:7.4f}  grad {grad_norm:7.3f}  "
+                f"lr {lr:.2e}  {tps:9,.0f} tok/s/dev  {tflops:6.3f} TFLOP/s  MFU {mfu:5.2f}%  "
+                f"mem {row['mem_gib']:.2f} GiB",
+                flush=True,
+            )
+            self._write(row)
+        return row
+
+    def log_validation(self, step: int, val_loss: float, val_tokens: int) -> None:
+        """Emit one validation row (carries val_loss)."""
+        if self.is_main:
+            print(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  "
+                  f"validation loss {val_loss:.4f} over {val_tokens:,} tokens", flush=True)
+            self._write({"step": step, "val_loss": val_loss, "val_tokens": val_tokens,
+                         "time": round(time.perf_counter() - self.start, 3)})
+
+    def _write(self, row: dict) -> None:
+        self._file.write(json.dumps(row) + "\n")
+        if self._writer is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._writer.add_scalar(key, value, row["step"])
+
+    def close(self) -> None:
+        if self.is_main:
+            self._file.close()
+            if self._writer is not None:
+                self._writer.close()

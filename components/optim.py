@@ -1,0 +1,67 @@
+"""AdamW/Adam and the learning-rate schedule: linear warmup, then stable, then linear/cosine/sqrt decay."""
+
+import functools
+import math
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from components.errors import KilnError
+
+
+def build_optimizer(model: nn.Module, name: str, lr: float, betas: tuple[float, float], eps: float,
+                    weight_decay: float, implementation: str) -> torch.optim.Optimizer:
+    """The optimizer over model's parameters; implementation auto = fused on GPU, foreach on CPU."""
+    classes = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
+    if name not in classes:
+        raise KilnError(f"unknown optimizer.name {name!r}; choose from {', '.join(classes)}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    on_gpu = bool(params) and params[0].device.type == "cuda"
+    if implementation == "auto":
+        implementation = "fused" if on_gpu else "foreach"
+    flags = {
+        "fused": {"fused": True, "foreach": False},
+        "foreach": {"fused": False, "foreach": True},
+        "for-loop": {"fused": False, "foreach": False},
+    }
+    if implementation not in flags:
+        raise KilnError(f"unknown optimizer.implementation {implementation!r}")
+    return classes[name](params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         **flags[implementation])
+
+
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay_ratio: float,
+              decay_type: str, min_lr_factor: float) -> float:
+    """Multiplier of the peak LR at `step` (0-based count of optimizer steps taken so far).
+
+    Warmup rises linearly to 1 over warmup_steps; the last decay_ratio of the steps decays to
+    min_lr_factor; anything between is the stable phase (warmup-stable-decay when decay_ratio < 1).
+    """
+    step = step + 1  # the LR used by the (step+1)-th optimizer step
+    if step <= warmup_steps:
+        return step / max(1, warmup_steps)
+    decay_steps = max(1, round((total_steps - warmup_steps) * decay_ratio))
+    decay_start = total_steps - decay_steps
+    if step <= decay_start:
+        return 1.0
+    progress = min(1.0, (step - decay_start) / decay_steps)
+    if decay_type == "linear":
+        shape = 1.0 - progress
+    elif decay_type == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    elif decay_type == "sqrt":
+        shape = 1.0 - math.sqrt(progress)
+    else:
+        raise KilnError(f"unknown lr_scheduler.decay_type {decay_type!r}; choose linear/cosine/sqrt")
+    return min_lr_factor + (1.0 - min_lr_factor) * shape
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int,
+                       decay_ratio: float, decay_type: str, min_lr_factor: float) -> LambdaLR:
+    """A LambdaLR over lr_factor (Stateful through its state_dict, so it resumes exactly)."""
+    if not 0.0 <= decay_ratio <= 1.0:
+        raise KilnError(f"lr_scheduler.decay_ratio must be in [0, 1], got {decay_ratio}")
+    fn = functools.partial(lr_factor, warmup_steps=warmup_steps, total_steps=total_steps,
+                           decay_ratio=decay_ratio, decay_type=decay_type, min_lr_factor=min_lr_factor)
+    return LambdaLR(optimizer, fn)

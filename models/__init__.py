@@ -1,0 +1,70 @@
+"""The model registry: a ModelSpec per family, looked up by `model.name`.
+
+Adding a model is a new folder under models/ whose __init__.py calls register_model_spec(), one
+import line at the bottom of this file, and a TOML. A model outside the repo registers itself
+the same way from a module named in `--job.custom_import`.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+
+@dataclass
+class ModelSpec:
+    """Everything the trainer needs to know about a model family."""
+
+    name: str
+    flavors: dict[str, Any]  # flavor name → model args dataclass
+    model_cls: Callable[[Any], nn.Module]  # model_cls(args) builds the plain model
+    parallelize_fn: Callable[..., nn.Module]  # (model, parallel_dims, job_config) → model
+    flops_per_token_fn: Callable[[Any, int, int], int]  # (args, num_params, seq_len) → FLOPs
+    pipeline_fn: Callable[..., Any] | None = None  # splits the model into pipeline stages
+    state_dict_adapter: type | None = None  # converts to/from Hugging Face names
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+
+
+class UnknownModelError(LookupError):
+    """Raised for a model name or flavor that is not registered."""
+
+
+def register_model_spec(spec: ModelSpec) -> None:
+    """Make a model family available under spec.name (registering a name twice is an error)."""
+    if spec.name in _REGISTRY and _REGISTRY[spec.name] is not spec:
+        raise ValueError(f"a model named {spec.name!r} is already registered")
+    _REGISTRY[spec.name] = spec
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    """The registered spec for `name`; an unknown name lists the registered ones."""
+    if name not in _REGISTRY:
+        raise UnknownModelError(
+            f"unknown model.name {name!r}; registered models: {', '.join(sorted(_REGISTRY))}"
+        )
+    return _REGISTRY[name]
+
+
+def get_model_args(spec: ModelSpec, flavor: str) -> Any:
+    """A fresh copy of the args of `flavor`; an unknown flavor lists the model's flavors."""
+    import copy
+
+    if flavor not in spec.flavors:
+        raise UnknownModelError(
+            f"unknown model.flavor {flavor!r} for model {spec.name!r}; "
+            f"flavors: {', '.join(spec.flavors)}"
+        )
+    return copy.deepcopy(spec.flavors[flavor])
+
+
+def registered_models() -> list[str]:
+    """Names of every registered model family."""
+    return sorted(_REGISTRY)
+
+
+# Built-in families register themselves on import (one line per family).
+from models import llama3  # noqa: E402,F401

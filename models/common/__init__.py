@@ -1,0 +1,1 @@
+"""Layers shared by the model families: RMSNorm, rotary embeddings, attention, feed-forward."""

@@ -1,0 +1,47 @@
+"""Grouped-query causal self-attention through F.scaled_dot_product_attention."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.common.rope import apply_rope
+
+
+class Attention(nn.Module):
+    """Multi-head attention where n_kv_heads key/value heads are shared by groups of query heads."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        if n_heads % n_kv_heads != 0:
+            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # -1 instead of the head count: under tensor parallel each rank holds a slice of the heads.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bsz, heads, seq, head_dim]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+    def init_weights(self, std_out: float) -> None:
+        """Truncated-normal init; the output projection gets a depth-scaled std."""
+        for lin in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(lin.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=std_out)
+
+
+def attention_flops_per_token(n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
+    """Forward+backward FLOPs per token of the causal score and value matmuls (12·L·H·Q·T as in PaLM
+    and TorchTitan: the causal mask is not credited)."""
+    return 12 * n_layers * n_heads * head_dim * seq_len
+

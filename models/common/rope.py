@@ -1,0 +1,55 @@
+"""Rotary position embeddings with real-valued cos/sin tables (torch.compile-friendly, unlike complex RoPE)."""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RopeScaling:
+    """Llama 3.1 long-context frequency scaling (`scale_factor` 1.0 disables it)."""
+
+    scale_factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies of the rotary pairs, optionally rescaled as in Llama 3.1."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None or scaling.scale_factor == 1.0:
+        return inv_freq.float()
+    low_wavelen = scaling.original_max_seq_len / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_seq_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by the factor, short ones kept, the band between blended.
+    smooth = (scaling.original_max_seq_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * inv_freq / scaling.scale_factor + smooth * inv_freq
+    out = torch.where(wavelen > low_wavelen, inv_freq / scaling.scale_factor, inv_freq)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return torch.where(mid, blended, out).float()
+
+
+def rope_cache(head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """A [max_seq_len, head_dim] table: cos in the first half of the last dim, sin in the second."""
+    inv_freq = rope_frequencies(head_dim, theta, scaling)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Rotate x [batch, seq, heads, head_dim] by the table rows for its positions [seq, head_dim].
+
+    Pairs are interleaved (x[2i], x[2i+1]) as in Meta's Llama checkpoints.
+    """
+    half = cache.shape[-1] // 2
+    cos = cache[:, :half].unsqueeze(1).to(x.dtype)  # [seq, 1, head_dim/2]
+    sin = cache[:, half:].unsqueeze(1).to(x.dtype)
+    x_even, x_odd = x[..., 0::2], x[..., 1::2]
+    out_even = x_even * cos - x_odd * sin
+    out_odd = x_even * sin + x_odd * cos
+    return torch.stack([out_even, out_odd], dim=-1).flatten(-2)

@@ -1,0 +1,16 @@
+"""Llama 3 family: registers the ModelSpec "llama3"."""
+
+from models import ModelSpec, register_model_spec
+from models.llama3.flavors import LLAMA3_FLAVORS
+from models.llama3.model import Transformer, llama_flops_per_token
+from models.llama3.parallelize import parallelize_llama
+
+register_model_spec(
+    ModelSpec(
+        name="llama3",
+        flavors=LLAMA3_FLAVORS,
+        model_cls=Transformer,
+        parallelize_fn=parallelize_llama,
+        flops_per_token_fn=llama_flops_per_token,
+    )
+)

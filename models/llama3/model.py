@@ -1,0 +1,123 @@
+"""The Llama 3 dense transformer in plain PyTorch (no torch.distributed: parallelize.py adds that)."""
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from models.common.attention import Attention, attention_flops_per_token
+from models.common.feed_forward import FeedForward, swiglu_hidden_dim
+from models.common.norm import RMSNorm
+from models.common.rope import RopeScaling, rope_cache
+
+
+@dataclass
+class LlamaArgs:
+    """Shape of a Llama 3 model; the flavors in flavors.py fill it in."""
+
+    dim: int = 256
+    n_layers: int = 6
+    n_heads: int = 16
+    n_kv_heads: int | None = None  # None = n_heads (plain multi-head attention)
+    vocab_size: int = 4096
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    depth_init: bool = True  # scale output-projection init by the layer index, as TorchTitan does
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attention(norm(x)), then + feed_forward(norm(x))."""
+
+    def __init__(self, layer_id: int, args: LlamaArgs) -> None:
+        super().__init__()
+        self.attention = Attention(args.dim, args.n_heads, args.kv_heads)
+        hidden = swiglu_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier)
+        self.feed_forward = FeedForward(args.dim, hidden)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        depth = layer_id + 1 if args.depth_init else args.n_layers
+        self.init_std = 0.02 / (2 * depth) ** 0.5
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.init_std)
+        self.feed_forward.init_weights(self.init_std)
+
+
+class Transformer(nn.Module):
+    """Token embedding → blocks → final norm → output head.
+
+    Layers live in a ModuleDict keyed by index so that a pipeline stage that deletes some keeps
+    the original parameter names; every submodule may be None on a stage that does not own it.
+    """
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Not persistent: recomputed by init_buffers(), never stored in checkpoints.
+        self.register_buffer("rope_cache", self._make_rope_cache(), persistent=False)
+
+    def _make_rope_cache(self) -> torch.Tensor:
+        a = self.args
+        return rope_cache(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [batch, seq] (or hidden states on a later pipeline stage) → logits [batch, seq, vocab]."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = self.rope_cache[: h.shape[1]]
+        for layer in self.layers.values():
+            h = layer(h, rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """Recompute the RoPE table (needed after to_empty() from the meta device)."""
+        self.rope_cache = self._make_rope_cache().to(device or self.rope_cache.device)
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """Initialise every parameter and buffer in place (works after to_empty())."""
+        self.init_buffers(buffer_device)
+        if self.tok_embeddings is not None:
+            # A tied embedding doubles as the output head, so it gets the head's small scale.
+            std = self.args.dim**-0.5 if self.args.tie_embeddings else 1.0
+            nn.init.normal_(self.tok_embeddings.weight, std=std)
+        for layer in self.layers.values():
+            layer.init_weights()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None and not self.args.tie_embeddings:
+            # Small output init keeps the first losses near log(vocab).
+            std = self.args.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+def llama_flops_per_token(args: LlamaArgs, num_params: int, seq_len: int) -> int:
+    """Training FLOPs per token: 6 per non-embedding parameter plus causal attention."""
+    dense = num_params - args.vocab_size * args.dim  # the embedding lookup is not a matmul
+    return 6 * dense + attention_flops_per_token(args.n_layers, args.n_heads, args.head_dim, seq_len)

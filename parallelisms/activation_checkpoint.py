@@ -1,0 +1,56 @@
+"""Activation checkpointing: recompute block activations in backward instead of storing them."""
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+# Per-op selective AC keeps the outputs of these (the expensive matmuls) and recomputes the rest.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_ac(model: nn.Module, mode: str, selective_option: str = "2") -> None:
+    """Wrap blocks of model.layers in place: mode "full" wraps every block; "selective" wraps every
+    Nth block (selective_option = "N") or every block with the per-op policy (selective_option = "op").
+
+    checkpoint_wrapper is non-reentrant and its state-dict hooks keep the parameter names, so
+    checkpoints do not depend on this option.
+    """
+    if mode == "none":
+        return
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation_checkpoint.mode must be none/full/selective, got {mode!r}")
+    every, per_op = 1, False
+    if mode == "selective":
+        if selective_option == "op":
+            per_op = True
+        elif selective_option.isdigit() and int(selective_option) >= 1:
+            every = int(selective_option)
+        else:
+            raise ValueError(
+                f"activation_checkpoint.selective_ac_option must be a positive integer or 'op', "
+                f"got {selective_option!r}"
+            )
+    for i, (name, block) in enumerate(list(model.layers.items())):
+        if i % every != 0:
+            continue
+        if per_op:
+            wrapped = checkpoint_wrapper(
+                block, context_fn=partial(create_selective_checkpoint_contexts, _save_matmuls)
+            )
+        else:
+            wrapped = checkpoint_wrapper(block)
+        model.layers[name] = wrapped

@@ -1,0 +1,60 @@
+"""Data parallelism: FSDP2 (fully_shard) and HSDP over a 1-D or 2-D mesh, and DDP (replicate)."""
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def mixed_precision(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
+    """FSDP's policy: parameters cast to param_dtype for compute, gradients reduced in reduce_dtype."""
+    return MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: str = "default",
+    pipeline_parallel: bool = False,
+) -> nn.Module:
+    """Shard each block, the embeddings, final norm + output, then the root, with FSDP2.
+
+    A 2-D mesh (dp_replicate, dp_shard) gives HSDP: sharded within a row, replicated across rows.
+    reshard_after_forward: "always", "never", or "default" (reshard, except with pipeline parallel
+    where each microbatch would gather the weights again).
+    """
+    if reshard_after_forward == "default":
+        reshard = not pipeline_parallel
+    elif reshard_after_forward in ("always", "never"):
+        reshard = reshard_after_forward == "always"
+    else:
+        raise ValueError(f"reshard_after_forward must be default/always/never, got {reshard_after_forward!r}")
+    kwargs = {"mesh": mesh, "mp_policy": mp_policy}
+    if getattr(model, "tok_embeddings", None) is not None:
+        fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **kwargs)
+    for block in model.layers.values():
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    # The norm and the head run last and are needed first in backward: never reshard them.
+    tail = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
+    if tail:
+        fully_shard(tail, reshard_after_forward=False, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return model
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Replicate the model over the mesh; gradients are all-reduced (averaged) in backward."""
+    from torch.distributed._composable.replicate import replicate
+
+    # torch's composable replicate keeps parameter names (no `module.` prefix like the DDP wrapper).
+    replicate(model, device_mesh=mesh, bucket_cap_mb=100)
+    return model
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Skip (or resume) the gradient reduction: off for every microbatch but the last."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)

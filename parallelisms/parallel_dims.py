@@ -1,0 +1,148 @@
+"""ParallelDims: the parallel degrees of a run, their validation, and the one DeviceMesh built from them."""
+
+from dataclasses import dataclass, field
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from components.errors import KilnError
+
+# Outermost to innermost: TP ranks are neighbours (fastest links), PP the farthest apart.
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of every parallel dimension; build_mesh() turns them into named (sub-)meshes.
+
+    Views used by the parallelisms: `dp` (dp_replicate × dp_shard) splits the batch, `dp_shard_cp`
+    (dp_shard × cp) is what FSDP shards over, `dp_cp` (dp × cp) averages the loss. EP borrows its
+    ranks from dp_shard × cp, as in TorchTitan, so it does not multiply the world size.
+    """
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int
+    world_size: int
+    world_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _views: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
+            if getattr(self, name) < 1:
+                raise KilnError(f"parallel degree {name} must be >= 1, got {getattr(self, name)}")
+        others = self.dp_replicate * self.cp * self.tp * self.pp
+        if self.dp_shard == -1:
+            if self.world_size % others != 0:
+                raise KilnError(
+                    f"cannot fill data_parallel_shard_degree=-1: world size {self.world_size} is not "
+                    f"divisible by dp_replicate {self.dp_replicate} × cp {self.cp} × tp {self.tp} "
+                    f"× pp {self.pp} = {others}"
+                )
+            self.dp_shard = self.world_size // others
+        if self.dp_shard < 1:
+            raise KilnError(f"data_parallel_shard_degree must be -1 or >= 1, got {self.dp_shard}")
+        product = others * self.dp_shard
+        if product != self.world_size:
+            raise KilnError(
+                f"parallel degrees multiply to {product} (dp_replicate {self.dp_replicate} × "
+                f"dp_shard {self.dp_shard} × cp {self.cp} × tp {self.tp} × pp {self.pp}) but the "
+                f"world size is {self.world_size}"
+            )
+        if self.ep > 1 and (self.dp_shard * self.cp) % self.ep != 0:
+            raise KilnError(
+                f"expert_parallel_degree {self.ep} must divide dp_shard × cp = "
+                f"{self.dp_shard * self.cp} (EP borrows its ranks from those dimensions)"
+            )
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many ranks see different samples of the batch."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard * self.cp > 1
+
+    @property
+    def ddp_enabled(self) -> bool:
+        """Pure replication (DDP): replicas but no sharding."""
+        return self.dp_replicate > 1 and not self.fsdp_enabled
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.dp_replicate > 1 and self.fsdp_enabled
+
+    def check_model(self, *, n_heads: int, n_kv_heads: int, n_layers: int, seq_len: int) -> None:
+        """Reject degrees that cannot split this model; messages name the numbers."""
+        if self.tp > 1:
+            if n_heads % self.tp != 0:
+                raise KilnError(
+                    f"tensor_parallel_degree {self.tp} must divide the model's {n_heads} attention heads"
+                )
+            if n_kv_heads % self.tp != 0:
+                raise KilnError(
+                    f"tensor_parallel_degree {self.tp} must divide the model's {n_kv_heads} key/value "
+                    f"heads (GQA with fewer KV heads than TP ranks is not supported)"
+                )
+            if seq_len % self.tp != 0:
+                raise KilnError(
+                    f"training.seq_len {seq_len} must be divisible by tensor_parallel_degree "
+                    f"{self.tp} (sequence parallel shards the sequence)"
+                )
+        if self.cp > 1 and seq_len % (2 * self.cp) != 0:
+            raise KilnError(
+                f"training.seq_len {seq_len} must be divisible by 2 × context_parallel_degree = "
+                f"{2 * self.cp} (load-balanced causal sharding)"
+            )
+        if self.pp > n_layers:
+            raise KilnError(
+                f"pipeline_parallel_degree {self.pp} is more than the model's {n_layers} layers"
+            )
+
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """Create the world mesh (dims of degree 1 are left out) and its flattened views."""
+        if self.world_size == 1:
+            return None
+        names = [n for n in MESH_ORDER if getattr(self, n) > 1]
+        shape = [getattr(self, n) for n in names]
+        mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+        self.world_mesh = mesh
+        # Flattened views are kept here: torch deprecates slicing them back out of the root.
+        for view, parts in (
+            ("dp", ("dp_replicate", "dp_shard")),
+            ("dp_shard_cp", ("dp_shard", "cp")),
+            ("dp_cp", ("dp_replicate", "dp_shard", "cp")),
+        ):
+            present = tuple(p for p in parts if p in names)
+            if present:
+                self._views[view] = mesh[present]._flatten(view) if len(present) > 1 else mesh[present[0]]
+        return mesh
+
+    def mesh(self, name: str) -> DeviceMesh | None:
+        """A named dim or flattened view of the world mesh; None when that dim has degree 1."""
+        if self.world_mesh is None:
+            return None
+        if name in self._views:
+            return self._views[name]
+        if name in (self.world_mesh.mesh_dim_names or ()):
+            return self.world_mesh[name]
+        return None
+
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP shards over: 1-D (dp_shard_cp) for FSDP, 2-D (dp_replicate, dp_shard) for HSDP."""
+        if not self.fsdp_enabled:
+            return None
+        if self.hsdp_enabled:
+            if self.cp > 1:
+                raise KilnError("HSDP combined with context parallel is not supported yet")
+            return self.world_mesh[("dp_replicate", "dp_shard")]
+        return self.mesh("dp_shard_cp")
+
+    def release(self) -> None:
+        """Drop every mesh reference (a live mesh at exit can abort the process, see TORCH_ON_CPU.md)."""
+        self._views.clear()
+        self.world_mesh = None
+

@@ -1,0 +1,276 @@
+"""Kiln's trainer: build everything from a JobConfig, run the loop, report, exit cleanly.
+
+    torchrun --nproc-per-node=2 train.py --config llama_debug.toml
+    python train.py --config llama_debug.toml --training.steps 20
+"""
+
+import contextlib
+import importlib
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from components.config import REPO_ROOT, JobConfig, config_to_toml, load_config
+from components.data import BatchLoader, TokenWindows, resolve_dataset, token_file_for, validation_batches
+from components.distributed import DistInfo, exit_cleanly, init_distributed, set_seed
+from components.errors import KilnError
+from components.gc_control import GarbageCollection
+from components.grad_norm import clip_grad_norm
+from components.loss import IGNORE_INDEX, cross_entropy_sum
+from components.metrics import MetricsLogger
+from components.optim import build_lr_scheduler, build_optimizer
+from components.peak_flops import peak_flops
+from components.profiling import maybe_profile
+from components.tokenizer import Tokenizer
+from models import UnknownModelError, get_model_args, get_model_spec
+from parallelisms.fsdp import set_gradient_sync
+from parallelisms.materialize import materialize_and_init
+from parallelisms.parallel_dims import ParallelDims
+
+
+def resolve_path(path: str) -> Path:
+    """A relative path is looked up in the working directory first, then in the repository."""
+    p = Path(path)
+    return p if p.is_absolute() or p.exists() else REPO_ROOT / p
+
+
+class Trainer:
+    """One training run: model, data, optimizer and metrics built from the config, then the loop."""
+
+    def __init__(self, cfg: JobConfig, info: DistInfo) -> None:
+        self.cfg, self.info = cfg, info
+        t = cfg.training
+        set_seed(t.seed, t.deterministic)
+        self.dump = Path(cfg.job.dump_folder)
+
+        # Model family and shape.
+        if cfg.job.custom_import:
+            sys.path.insert(0, os.getcwd())
+            importlib.import_module(cfg.job.custom_import)
+        try:
+            self.spec = get_model_spec(cfg.model.name)
+            self.model_args = get_model_args(self.spec, cfg.model.flavor)
+        except UnknownModelError as e:
+            raise KilnError(str(e)) from None
+        args = self.model_args
+        self.tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
+        if self.tokenizer.vocab_size > args.vocab_size:
+            raise KilnError(
+                f"tokenizer {cfg.model.tokenizer_path} has {self.tokenizer.vocab_size} tokens but "
+                f"model {cfg.model.name}/{cfg.model.flavor} has a vocabulary of {args.vocab_size}"
+            )
+        if t.seq_len > args.max_seq_len:
+            raise KilnError(f"training.seq_len {t.seq_len} exceeds the model's max_seq_len {args.max_seq_len}")
+
+        # Layout: the degrees, checked against the world and the model, then one mesh.
+        p = cfg.parallelism
+        self.dims = ParallelDims(
+            dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
+            cp=p.context_parallel_degree, tp=p.tensor_parallel_degree,
+            pp=p.pipeline_parallel_degree, ep=p.expert_parallel_degree, world_size=info.world_size,
+        )
+        self.dims.check_model(n_heads=args.n_heads, n_kv_heads=args.kv_heads,
+                              n_layers=args.n_layers, seq_len=t.seq_len)
+        self.dims.build_mesh(info.device.type)
+        dp_mesh = self.dims.mesh("dp")
+        self.dp_group = dp_mesh.get_group() if dp_mesh is not None else None
+        self.dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
+        dp = self.dims.dp
+        self.global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp
+
+        # Data: tokenized once into the cache, then read as windows; the batch depends on the step only.
+        self.splits = resolve_dataset(t.dataset, t.dataset_path)
+        cache = Path(t.data_cache_dir) if t.data_cache_dir else self.dump / "data_cache"
+        self.token_files = self._prepare_token_files(cache)
+        self.train_windows = TokenWindows(self.token_files["train"], t.seq_len, args.vocab_size)
+        self.loader = BatchLoader(self.train_windows, self.global_batch, t.local_batch_size,
+                                  self.dp_rank, dp, t.seed)
+
+        # Model: built on the meta device, parallelized, then materialised with layout-free init.
+        with torch.device("meta"):
+            self.model = self.spec.model_cls(args)
+        self.num_params = sum(p.numel() for p in self.model.parameters())
+        self.flops_per_token = self.spec.flops_per_token_fn(args, self.num_params, t.seq_len)
+        mp = t.mixed_precision_param
+        self.param_dtype = mp if mp != "auto" else ("bfloat16" if info.device.type == "cuda" else "float32")
+        self.spec.parallelize_fn(self.model, self.dims, cfg, self.param_dtype)
+        materialize_and_init(self.model, lambda: self.spec.model_cls(args), t.seed, info.device)
+        self.model.train()
+        # Without FSDP (which casts parameters itself), bf16 compute comes from autocast.
+        self.autocast = (
+            torch.autocast(info.device.type, dtype=torch.bfloat16)
+            if self.param_dtype == "bfloat16" and not self.dims.fsdp_enabled
+            else contextlib.nullcontext()
+        )
+
+        o, s = cfg.optimizer, cfg.lr_scheduler
+        self.optimizer = build_optimizer(self.model, o.name, o.lr, (o.beta1, o.beta2), o.eps,
+                                         o.weight_decay, o.implementation)
+        self.scheduler = build_lr_scheduler(
+            self.optimizer, warmup_steps=s.warmup_steps, total_steps=t.steps,
+            decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_factor=s.min_lr_factor)
+        self.step, self.tokens_seen = 0, 0
+        self.peak = peak_flops(info.device, cfg.metrics.peak_tflops)
+        if info.is_main:
+            self.dump.mkdir(parents=True, exist_ok=True)
+            (self.dump / "config.toml").write_text(config_to_toml(cfg))
+        tb = self.dump / cfg.metrics.save_tb_folder if cfg.metrics.enable_tensorboard else None
+        self.metrics = MetricsLogger(self.dump, is_main=info.is_main, device=info.device,
+                                     flops_per_token=self.flops_per_token, peak=self.peak,
+                                     total_steps=t.steps, tensorboard_dir=tb)
+
+    def _prepare_token_files(self, cache: Path) -> dict[str, Path]:
+        """Local rank 0 of each node tokenizes what is missing; the others wait, then read."""
+        files = {}
+        if self.info.local_rank == 0:
+            files = {k: token_file_for(v, self.tokenizer, cache) for k, v in self.splits.items()}
+        if dist.is_initialized():
+            dist.barrier()
+        if self.info.local_rank != 0:
+            files = {k: token_file_for(v, self.tokenizer, cache) for k, v in self.splits.items()}
+        return files
+
+    def summary(self) -> str:
+        """The start-up lines: model, layout, batch, data, precision and the MFU peak."""
+        d, t, a = self.dims, self.cfg.training, self.model_args
+        emb = a.vocab_size * a.dim
+        if d.world_size == 1:
+            mode = "single process"
+        elif d.hsdp_enabled:
+            mode = f"HSDP: {d.dp_replicate} replicas × FSDP2 over {d.dp_shard}"
+        elif d.fsdp_enabled:
+            mode = f"FSDP2 over {d.dp_shard * d.cp} ranks"
+        elif d.ddp_enabled:
+            mode = f"DDP over {d.dp_replicate} ranks"
+        else:
+            mode = "no data parallelism"
+        tokens = self.global_batch * t.seq_len
+        backend = dist.get_backend() if dist.is_initialized() else "none"
+        lines = [
+            f"Kiln · {self.cfg.model.name}/{self.cfg.model.flavor} · {self.num_params / 1e6:,.2f}M "
+            f"parameters ({(self.num_params - emb) / 1e6:,.2f}M non-embedding) · "
+            f"{self.flops_per_token / 1e6:,.1f} MFLOP/token",
+            f"layout  world {d.world_size} = pp {d.pp} × dp_replicate {d.dp_replicate} × dp_shard "
+            f"{d.dp_shard} × cp {d.cp} × tp {d.tp} → {mode} ({backend}, {self.info.device.type})",
+            f"batch   global {self.global_batch} × seq {t.seq_len} = {tokens:,} tokens/step; "
+            f"local {t.local_batch_size} × {self.loader.microbatches} microbatch(es) per rank",
+            f"data    {t.dataset_path or t.dataset}: {len(self.train_windows.tokens):,} train tokens "
+            f"({len(self.train_windows):,} windows; {len(self.train_windows) / self.global_batch:,.1f} "
+            f"steps per epoch)",
+            f"numbers params {self.param_dtype}, reduce {t.mixed_precision_reduce}; AC "
+            f"{self.cfg.activation_checkpoint.mode}; compile {'on' if self.cfg.compile.enable else 'off'}",
+            f"MFU     peak {self.peak.tflops:,.3f} TFLOP/s per device ({self.peak.source})",
+            f"output  {self.dump}/metrics.jsonl; {t.steps} steps",
+        ]
+        return "\n".join(lines)
+
+    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward/backward over the microbatches, clip, step. Returns (summed loss, token count) of this rank."""
+        device = self.info.device
+        # Every rank's loss is a sum over its tokens scaled by dp / global tokens: the data-parallel
+        # gradient average (÷ dp) then yields the gradient of the mean over the global batch.
+        local_tokens = torch.tensor(sum(int((y != IGNORE_INDEX).sum()) for _, y in microbatches),
+                                    dtype=torch.float64, device=device)
+        global_tokens = local_tokens.clone()
+        if self.dp_group is not None:
+            dist.all_reduce(global_tokens, group=self.dp_group)
+        scale = self.dims.dp / global_tokens.item()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        for i, (inputs, labels) in enumerate(microbatches):
+            set_gradient_sync(self.model, i == len(microbatches) - 1)
+            inputs, labels = inputs.to(device), labels.to(device)
+            with self.autocast:
+                logits = self.model(inputs)
+            loss = cross_entropy_sum(logits, labels)
+            (loss * scale).backward()
+            loss_sum += loss.detach()
+        grad_norm = clip_grad_norm(list(self.model.parameters()), self.cfg.training.max_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, grad_norm
+
+    def global_mean(self, total: torch.Tensor, count: torch.Tensor) -> float:
+        """sum(total) / sum(count) over the data-parallel ranks."""
+        both = torch.stack([total.double(), count.double()])
+        if self.dp_group is not None:
+            dist.all_reduce(both, group=self.dp_group)
+        return (both[0] / both[1]).item()
+
+    @torch.no_grad()
+    def validate(self) -> None:
+        """Mean loss over the validation split (validation.steps rounds), logged with val_loss."""
+        if "val" not in self.token_files:
+            raise KilnError("validation.enable is set but the dataset has no validation split")
+        v, t = self.cfg.validation, self.cfg.training
+        windows = TokenWindows(self.token_files["val"], t.seq_len, self.model_args.vocab_size)
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.info.device)
+        count = torch.zeros((), dtype=torch.float64, device=self.info.device)
+        for inputs, labels in validation_batches(windows, t.local_batch_size, self.dp_rank,
+                                                 self.dims.dp, v.steps):
+            inputs, labels = inputs.to(self.info.device), labels.to(self.info.device)
+            with self.autocast:
+                total += cross_entropy_sum(self.model(inputs), labels).double()
+            count += (labels != IGNORE_INDEX).sum()
+        self.model.train()
+        tokens = int(count.item()) * self.dims.dp
+        self.metrics.log_validation(self.step, self.global_mean(total, count), tokens)
+
+    def train(self) -> None:
+        """The loop: batch → step → metrics → validation, until training.steps."""
+        cfg, t = self.cfg, self.cfg.training
+        if self.info.is_main:
+            print(self.summary(), flush=True)
+        gc_control = GarbageCollection(t.gc_freq)
+        tokens_per_step = self.global_batch * t.seq_len
+        prof_dir = self.dump / cfg.profiling.save_traces_folder
+        with maybe_profile(cfg.profiling.enable_profiling, prof_dir, cfg.profiling.profile_freq,
+                           self.info.rank) as profiler:
+            while self.step < t.steps:
+                self.step += 1
+                self.loader.step = self.step
+                lr = self.scheduler.get_last_lr()[0]
+                loss_sum, grad_norm = self.train_step(next(self.loader))
+                self.tokens_seen += tokens_per_step
+                self.metrics.count_tokens(tokens_per_step // self.info.world_size)
+                if self.step % cfg.metrics.log_freq == 0 or self.step == t.steps:
+                    count = torch.tensor(float(tokens_per_step) / self.dims.dp, device=self.info.device)
+                    loss = self.global_mean(loss_sum, count)
+                    self.metrics.log_step(self.step, loss, grad_norm.item(), lr, self.tokens_seen)
+                if cfg.validation.enable and (self.step % cfg.validation.freq == 0 or self.step == t.steps):
+                    self.validate()
+                gc_control.maybe_collect(self.step)
+                if profiler is not None:
+                    profiler.step()
+        self.metrics.close()
+
+
+def main(argv: list[str]) -> int:
+    """Parse, train, and turn every user error into one line on stderr and a non-zero exit code."""
+    is_main = os.environ.get("RANK", "0") == "0"
+    trainer = None
+    try:
+        cfg = load_config(argv)
+        info = init_distributed(cfg.comm.timeout_seconds)
+        trainer = Trainer(cfg, info)
+        trainer.train()
+        code = 0
+    except KilnError as e:
+        if is_main:
+            print(f"kiln: error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    release = trainer.dims.release if trainer is not None else None
+    exit_cleanly(code, release)
+    return code
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
