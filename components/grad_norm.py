@@ -24,14 +24,19 @@ def total_grad_norm(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
+    # torch's float32 norm on CPU sums serially: on a 1M-element output-head gradient it was
+    # 3e-4 off the float64 value, enough to break grad-norm parity between layouts. GPUs
+    # reduce in a tree and stay in float32.
+    acc = torch.float64 if grads[0].device.type == "cpu" else torch.float32
     group_norms = []
     for group in _group_by_mesh(grads).values():
         norm = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g, 2, dtype=torch.float32) for g in group]), 2
+            torch.stack([torch.linalg.vector_norm(g, 2, dtype=acc) for g in group]), 2
         )
         group_norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     device = group_norms[0].device
-    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in group_norms]), 2)
+    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in group_norms]), 2)
+    return total.float()
 
 
 @torch.no_grad()

@@ -1,0 +1,51 @@
+"""Shared helpers for the end-to-end tests: launch train.py as a user would and read metrics.jsonl."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+# A small, fast shape for multi-process tests: the tiny flavor, short sequences, few steps.
+TINY = [
+    "--config", "llama_debug", "--model.flavor", "tiny", "--training.seq_len", "64",
+    "--training.local_batch_size", "8", "--training.steps", "10", "--metrics.log_freq", "1",
+    "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3",
+]
+
+
+def run_train(args: list[str], nproc: int = 1, *, script: str = "train.py", timeout: int = 300,
+              extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run train.py (or a helper script) as one process, or under torchrun --standalone with nproc."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
+    if nproc == 1:
+        cmd = [sys.executable, script, *args]
+    else:
+        cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", script, *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(dump: Path) -> list[dict]:
+    """The rows of <dump>/metrics.jsonl."""
+    return [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_rows(dump: Path) -> list[dict]:
+    """Training rows only (validation rows carry val_loss instead of loss)."""
+    return [r for r in read_metrics(dump) if "loss" in r]
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> None:
+    """Fail with the run's output when it did not exit 0."""
+    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT\n{proc.stdout[-4000:]}\nSTDERR\n{proc.stderr[-6000:]}"
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> Path:
+    """One tokenized copy of the corpus shared by every end-to-end run of the session."""
+    return tmp_path_factory.mktemp("data_cache")

@@ -1,0 +1,1 @@
+"""Scripts and modules the tests launch or import (not tests themselves)."""

@@ -1,0 +1,36 @@
+"""Activation checkpointing and torch.compile change memory and speed, never the numbers."""
+
+import pytest
+
+from conftest import TINY, check_ok, run_train, train_rows
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, data_cache):
+    dump = tmp_path_factory.mktemp("plain")
+    check_ok(run_train([*TINY, "--training.steps", "4", "--job.dump_folder", str(dump),
+                        "--training.data_cache_dir", str(data_cache)]))
+    return train_rows(dump)
+
+
+@pytest.mark.parametrize("args", [
+    ["--activation_checkpoint.mode", "full"],
+    ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
+    ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+    ["--compile.enable"],
+], ids=["ac_full", "ac_every2", "ac_op", "compile"])
+def test_same_losses(plain, args, tmp_path, data_cache):
+    check_ok(run_train([*TINY, "--training.steps", "4", *args, "--job.dump_folder", str(tmp_path),
+                        "--training.data_cache_dir", str(data_cache)], timeout=600))
+    for ref, got in zip(plain, train_rows(tmp_path)):
+        assert abs(got["loss"] - ref["loss"]) <= 1e-5 * ref["loss"], (args, ref["step"])
+        assert abs(got["grad_norm"] - ref["grad_norm"]) <= 1e-4 * ref["grad_norm"], (args, ref["step"])
+
+
+def test_ac_under_fsdp(plain, tmp_path, data_cache):
+    check_ok(run_train([*TINY, "--training.steps", "4", "--activation_checkpoint.mode", "full",
+                        "--training.local_batch_size", "4", "--training.global_batch_size", "8",
+                        "--job.dump_folder", str(tmp_path), "--training.data_cache_dir", str(data_cache)],
+                       nproc=2))
+    for ref, got in zip(plain, train_rows(tmp_path)):
+        assert abs(got["loss"] - ref["loss"]) <= 1e-5 * ref["loss"]

@@ -1,0 +1,75 @@
+"""Bad input ends with one clear message naming the culprit, a non-zero exit and no traceback."""
+
+import pytest
+
+from conftest import TINY, run_train
+
+
+def _fails_with(proc, *fragments: str) -> None:
+    assert proc.returncode != 0, proc.stdout
+    err = proc.stderr
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("kiln: error:")]
+    assert len(lines) == 1, err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+@pytest.mark.parametrize("args,fragments", [
+    (["--training.step", "3"], ["training.step", "did you mean 'training.steps'"]),
+    (["--trainin.steps", "3"], ["trainin", "training"]),
+    (["--training.steps", "three"], ["training.steps", "three"]),
+    (["--config", "no_such_config"], ["no_such_config"]),
+    (["--model.name", "gpt5"], ["gpt5", "llama3"]),
+    (["--model.flavor", "7T"], ["7T", "debug", "8B"]),
+    (["--parallelism.data_parallel_shard_degree", "2"], ["multiply to 2", "world size is 1"]),
+    (["--parallelism.tensor_parallel_degree", "3", "--parallelism.data_parallel_shard_degree", "1"],
+     ["multiply to 3"]),
+    (["--training.global_batch_size", "12"], ["global_batch_size 12", "local_batch_size 8"]),
+    (["--training.dataset", "c5"], ["c5", "shakespeare"]),
+    (["--training.dataset_path", "/no/such/corpus.jsonl"], ["/no/such/corpus.jsonl"]),
+    (["--model.tokenizer_path", "/no/tokenizer.json"], ["/no/tokenizer.json"]),
+    (["--training.seq_len", "4096"], ["seq_len 4096", "max_seq_len"]),
+], ids=lambda v: v[0] if isinstance(v, list) and v and isinstance(v[0], str) and v[0].startswith("--") else None)
+def test_bad_input_single_process(args, fragments, tmp_path):
+    _fails_with(run_train([*TINY, "--job.dump_folder", str(tmp_path), *args]), *fragments)
+
+
+def test_malformed_toml_names_the_line(tmp_path):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[training]\nsteps = 3\nseq_len = = 64\n')
+    _fails_with(run_train(["--config", str(cfg), "--job.dump_folder", str(tmp_path)]),
+                "bad.toml", "line 3")
+
+
+def test_corpus_too_short(tmp_path):
+    corpus = tmp_path / "tiny.jsonl"
+    corpus.write_text('{"text": "To be, or not to be."}\n')
+    _fails_with(run_train([*TINY, "--job.dump_folder", str(tmp_path),
+                           "--training.dataset_path", str(corpus)]), "too short")
+
+
+def test_vocab_mismatch(tmp_path):
+    # The 1B flavor's vocabulary is larger; a larger tokenizer than the model is the error case,
+    # so point a small flavor at a model whose vocab is smaller than the tokenizer's.
+    _fails_with(run_train([*TINY, "--job.dump_folder", str(tmp_path), "--job.custom_import",
+                           "tests.helpers.small_vocab_model", "--model.name", "small_vocab"]),
+                "4096 tokens", "vocabulary of 1000")
+
+
+def test_heads_not_divisible_by_tp_under_torchrun(tmp_path):
+    # tiny has 4 heads: TP 3 cannot split them (3 ranks, dp 1).
+    proc = run_train([*TINY, "--job.dump_folder", str(tmp_path),
+                      "--parallelism.tensor_parallel_degree", "3"], nproc=3)
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("kiln: error:")]
+    assert len(ours) == 1 and "4 attention heads" in ours[0], proc.stderr
+    assert 'File "' + "train.py" not in proc.stderr  # no Python traceback from our ranks
+
+
+def test_degrees_not_matching_world_under_torchrun(tmp_path):
+    proc = run_train([*TINY, "--job.dump_folder", str(tmp_path),
+                      "--parallelism.data_parallel_shard_degree", "4"], nproc=2)
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("kiln: error:")]
+    assert len(ours) == 1 and "world size is 2" in ours[0], proc.stderr

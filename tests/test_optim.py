@@ -1,0 +1,112 @@
+"""Tests components/optim.py: LR shapes against hand formulas, the scheduler, optimizers, errors."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from components.errors import KilnError
+from components.optim import build_lr_scheduler, build_optimizer, lr_factor
+
+WARMUP, TOTAL, MIN = 10, 100, 0.1
+
+
+def factor(step: int, decay_type: str, decay_ratio: float = 1.0, min_lr: float = MIN) -> float:
+    """lr_factor with this module's warmup and total."""
+    return lr_factor(step, warmup_steps=WARMUP, total_steps=TOTAL, decay_ratio=decay_ratio,
+                     decay_type=decay_type, min_lr_factor=min_lr)
+
+
+SHAPES = {  # progress p in [0, 1] → fraction of the way from min_lr back up to the peak
+    "linear": lambda p: 1 - p,
+    "cosine": lambda p: (1 + math.cos(math.pi * p)) / 2,
+    "sqrt": lambda p: 1 - p**0.5,
+}
+
+
+@pytest.mark.parametrize("decay_type", list(SHAPES))
+def test_warmup_then_full_decay(decay_type: str) -> None:
+    # Warmup: optimizer step k (1-based) uses k/WARMUP of the peak, reaching 1 at step WARMUP.
+    for k in range(1, WARMUP + 1):
+        assert factor(k - 1, decay_type) == pytest.approx(k / WARMUP)
+    # Decay over the remaining 90 steps: optimizer step k is (k - WARMUP)/90 of the way down.
+    for k in (11, 30, 55, 77, 99, 100):
+        p = (k - WARMUP) / (TOTAL - WARMUP)
+        assert factor(k - 1, decay_type) == pytest.approx(MIN + (1 - MIN) * SHAPES[decay_type](p))
+    assert factor(TOTAL - 1, decay_type) == pytest.approx(MIN)  # the last step ends at min_lr
+    assert factor(TOTAL + 5, decay_type) == pytest.approx(MIN)  # and stays there if run longer
+    values = [factor(s, decay_type) for s in range(WARMUP - 1, TOTAL)]
+    assert all(a >= b for a, b in zip(values, values[1:]))  # monotone after the peak
+
+
+@pytest.mark.parametrize("decay_type", list(SHAPES))
+def test_wsd_stable_phase(decay_type: str) -> None:
+    # decay_ratio 0.2 of the 90 post-warmup steps = 18 decay steps: steps 83..100 decay.
+    for k in range(WARMUP + 1, TOTAL - 18 + 1):
+        assert factor(k - 1, decay_type, decay_ratio=0.2) == 1.0
+    for k in (83, 91, 100):
+        p = (k - 82) / 18
+        want = MIN + (1 - MIN) * SHAPES[decay_type](p)
+        assert factor(k - 1, decay_type, decay_ratio=0.2) == pytest.approx(want)
+    assert factor(TOTAL - 1, decay_type, decay_ratio=0.2) == pytest.approx(MIN)
+
+
+def test_scheduler_drives_adamw() -> None:
+    param = nn.Parameter(torch.zeros(3))
+    opt = torch.optim.AdamW([param], lr=2e-3)
+    sched = build_lr_scheduler(opt, warmup_steps=4, total_steps=12, decay_ratio=1.0,
+                               decay_type="linear", min_lr_factor=0.0)
+    seen = []
+    for _ in range(12):
+        seen.append(opt.param_groups[0]["lr"])
+        param.grad = torch.ones(3)
+        opt.step()
+        sched.step()
+    warmup = [2e-3 * k / 4 for k in range(1, 5)]
+    expected = warmup + [2e-3 * (1 - (k - 4) / 8) for k in range(5, 13)]
+    assert seen == pytest.approx(expected)
+    assert seen[-1] == 0.0
+    # A fresh scheduler loaded with the state after 6 steps uses step 7's LR next.
+    resumed_opt = torch.optim.AdamW([nn.Parameter(torch.zeros(3))], lr=2e-3)
+    resumed = build_lr_scheduler(resumed_opt, warmup_steps=4, total_steps=12, decay_ratio=1.0,
+                                 decay_type="linear", min_lr_factor=0.0)
+    replay = build_lr_scheduler(torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=2e-3),
+                                warmup_steps=4, total_steps=12, decay_ratio=1.0,
+                                decay_type="linear", min_lr_factor=0.0)
+    for _ in range(6):
+        replay.optimizer.step()
+        replay.step()
+    resumed.load_state_dict(replay.state_dict())
+    resumed_opt.step()
+    resumed.step()
+    assert resumed_opt.param_groups[0]["lr"] == pytest.approx(expected[7])
+
+
+def test_schedule_errors() -> None:
+    with pytest.raises(KilnError, match="exponential"):
+        factor(50, "exponential")
+    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=1.0)
+    with pytest.raises(KilnError, match="decay_type"):  # no warmup: the first LR already decays
+        build_lr_scheduler(opt, warmup_steps=0, total_steps=10, decay_ratio=1.0,
+                           decay_type="exponential", min_lr_factor=0.0)
+    for ratio in (-0.1, 1.5):
+        with pytest.raises(KilnError, match="decay_ratio"):
+            build_lr_scheduler(opt, warmup_steps=0, total_steps=10, decay_ratio=ratio,
+                               decay_type="linear", min_lr_factor=0.0)
+
+
+def test_build_optimizer() -> None:
+    model = nn.Linear(4, 4)
+    opt = build_optimizer(model, "AdamW", 1e-3, (0.9, 0.95), 1e-8, 0.1, "auto")
+    assert isinstance(opt, torch.optim.AdamW)
+    group = opt.param_groups[0]
+    assert group["foreach"] is True and not group["fused"]
+    assert group["lr"] == 1e-3 and group["betas"] == (0.9, 0.95) and group["weight_decay"] == 0.1
+    assert len(group["params"]) == 2
+    adam = build_optimizer(model, "Adam", 1e-3, (0.9, 0.95), 1e-8, 0.0, "for-loop")
+    assert type(adam) is torch.optim.Adam and not adam.param_groups[0]["foreach"]
+    with pytest.raises(KilnError, match="SGD"):
+        build_optimizer(model, "SGD", 1e-3, (0.9, 0.95), 1e-8, 0.1, "auto")
+    with pytest.raises(KilnError, match="turbo"):
+        build_optimizer(model, "AdamW", 1e-3, (0.9, 0.95), 1e-8, 0.1, "turbo")

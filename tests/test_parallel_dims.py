@@ -1,0 +1,100 @@
+"""Tests ParallelDims: -1 resolution, impossible layouts named, derived flags, no mesh at 1."""
+
+import pytest
+
+from components.errors import KilnError
+from parallelisms.parallel_dims import ParallelDims
+
+
+def dims(world: int, *, rep: int = 1, shard: int = -1, cp: int = 1, tp: int = 1, pp: int = 1,
+         ep: int = 1) -> ParallelDims:
+    """ParallelDims with keyword degrees defaulting to a plain FSDP layout."""
+    return ParallelDims(dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, pp=pp, ep=ep,
+                        world_size=world)
+
+
+def check(d: ParallelDims, *, heads: int = 16, kv: int = 8, layers: int = 8,
+          seq: int = 256) -> None:
+    """check_model with a Llama-like default shape."""
+    d.check_model(n_heads=heads, n_kv_heads=kv, n_layers=layers, seq_len=seq)
+
+
+@pytest.mark.parametrize("world,kw,shard", [
+    (8, {}, 8), (8, {"tp": 2}, 4), (16, {"rep": 2, "tp": 2, "pp": 2}, 2), (6, {"cp": 3}, 2),
+])
+def test_minus_one_fills_the_rest(world: int, kw: dict, shard: int) -> None:
+    assert dims(world, **kw).dp_shard == shard
+
+
+def test_minus_one_must_divide() -> None:
+    with pytest.raises(KilnError, match="world size 6") as e:
+        dims(6, tp=4)
+    assert "4" in str(e.value)
+
+
+def test_product_must_equal_world_size() -> None:
+    with pytest.raises(KilnError) as e:
+        dims(8, rep=2, shard=2, tp=3)
+    msg = str(e.value)
+    assert "multiply to 12" in msg and "world size is 8" in msg
+    assert "tp 3" in msg and "dp_replicate 2" in msg
+
+
+@pytest.mark.parametrize("kw", [{"tp": 0}, {"pp": -1}, {"shard": 0}, {"shard": -2}])
+def test_degrees_must_be_positive(kw: dict) -> None:
+    with pytest.raises(KilnError):
+        dims(4, **kw)
+
+
+def test_tp_must_divide_heads() -> None:
+    with pytest.raises(KilnError, match="tensor_parallel_degree 8 .*12 attention heads"):
+        check(dims(8, tp=8), heads=12, kv=12)
+    check(dims(4, tp=4), heads=12, kv=12)
+
+
+def test_tp_must_divide_kv_heads() -> None:
+    with pytest.raises(KilnError, match="2 key/value heads"):
+        check(dims(4, tp=4), heads=16, kv=2)
+    check(dims(4, tp=2), heads=16, kv=2)  # a multiple is fine
+
+
+def test_seq_len_divisibility() -> None:
+    with pytest.raises(KilnError, match="seq_len 254 .*tensor_parallel_degree 4"):
+        check(dims(4, tp=4), seq=254)
+    with pytest.raises(KilnError, match=r"seq_len 20 .*2 × context_parallel_degree = 8"):
+        check(dims(4, cp=4), seq=20)  # 20 is divisible by cp=4 but not by 2·cp
+    check(dims(4, cp=4), seq=24)
+
+
+def test_pp_at_most_layers() -> None:
+    with pytest.raises(KilnError, match="pipeline_parallel_degree 4 .*2 layers"):
+        check(dims(4, pp=4), layers=2)
+    check(dims(4, pp=4), layers=4)
+
+
+def test_ep_must_divide_shard_times_cp() -> None:
+    with pytest.raises(KilnError, match="expert_parallel_degree 3 .*dp_shard × cp = 4"):
+        dims(4, ep=3)
+    d = dims(8, shard=2, cp=2, tp=2, ep=4)  # EP borrows dp_shard × cp = 4 ranks: no extra world
+    assert d.ep == 4 and d.dp == 2
+
+
+@pytest.mark.parametrize("world,kw,dp,fsdp,ddp,hsdp", [
+    (1, {"shard": 1}, 1, False, False, False),
+    (4, {}, 4, True, False, False),
+    (4, {"rep": 4, "shard": 1}, 4, False, True, False),
+    (8, {"rep": 2}, 8, True, False, True),
+    (4, {"shard": 1, "tp": 4}, 1, False, False, False),
+    (4, {"shard": 1, "cp": 4}, 1, True, False, False),  # FSDP shards over cp alone
+    (8, {"rep": 2, "shard": 1, "cp": 2, "tp": 2}, 2, True, False, True),
+])
+def test_derived_flags(world: int, kw: dict, dp: int, fsdp: bool, ddp: bool, hsdp: bool) -> None:
+    d = dims(world, **kw)
+    assert (d.dp, d.fsdp_enabled, d.ddp_enabled, d.hsdp_enabled) == (dp, fsdp, ddp, hsdp)
+
+
+def test_single_process_builds_no_mesh() -> None:
+    d = dims(1)
+    assert d.dp_shard == 1
+    assert d.build_mesh("cpu") is None
+    assert d.world_mesh is None and d.mesh("dp") is None and d.fsdp_mesh() is None
