@@ -15,7 +15,13 @@ import torch
 import torch.distributed as dist
 
 from components.config import REPO_ROOT, JobConfig, config_to_toml, load_config
-from components.data import BatchLoader, TokenWindows, resolve_dataset, token_file_for, validation_batches
+from components.data import (
+    BatchLoader,
+    TokenWindows,
+    resolve_dataset,
+    token_file_for,
+    validation_batches,
+)
 from components.distributed import DistInfo, exit_cleanly, init_distributed, set_seed
 from components.errors import KilnError
 from components.gc_control import GarbageCollection
@@ -64,7 +70,8 @@ class Trainer:
                 f"model {cfg.model.name}/{cfg.model.flavor} has a vocabulary of {args.vocab_size}"
             )
         if t.seq_len > args.max_seq_len:
-            raise KilnError(f"training.seq_len {t.seq_len} exceeds the model's max_seq_len {args.max_seq_len}")
+            raise KilnError(
+                f"training.seq_len {t.seq_len} exceeds the model's max_seq_len {args.max_seq_len}")
 
         # Layout: the degrees, checked against the world and the model, then one mesh.
         p = cfg.parallelism
@@ -168,8 +175,11 @@ class Trainer:
         ]
         return "\n".join(lines)
 
-    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward/backward over the microbatches, clip, step. Returns (summed loss, token count) of this rank."""
+    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+        """Forward/backward over the microbatches, clip, step.
+
+        Returns this rank's summed loss and token count, and the global grad norm.
+        """
         device = self.info.device
         # Every rank's loss is a sum over its tokens scaled by dp / global tokens: the data-parallel
         # gradient average (÷ dp) then yields the gradient of the mean over the global batch.
@@ -192,7 +202,7 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum, grad_norm
+        return loss_sum, local_tokens, grad_norm
 
     def global_mean(self, total: torch.Tensor, count: torch.Tensor) -> float:
         """sum(total) / sum(count) over the data-parallel ranks."""
@@ -235,14 +245,14 @@ class Trainer:
                 self.step += 1
                 self.loader.step = self.step
                 lr = self.scheduler.get_last_lr()[0]
-                loss_sum, grad_norm = self.train_step(next(self.loader))
+                loss_sum, local_tokens, grad_norm = self.train_step(next(self.loader))
                 self.tokens_seen += tokens_per_step
                 self.metrics.count_tokens(tokens_per_step // self.info.world_size)
                 if self.step % cfg.metrics.log_freq == 0 or self.step == t.steps:
-                    count = torch.tensor(float(tokens_per_step) / self.dims.dp, device=self.info.device)
-                    loss = self.global_mean(loss_sum, count)
+                    loss = self.global_mean(loss_sum, local_tokens)
                     self.metrics.log_step(self.step, loss, grad_norm.item(), lr, self.tokens_seen)
-                if cfg.validation.enable and (self.step % cfg.validation.freq == 0 or self.step == t.steps):
+                last = self.step == t.steps
+                if cfg.validation.enable and (self.step % cfg.validation.freq == 0 or last):
                     self.validate()
                 gc_control.maybe_collect(self.step)
                 if profiler is not None:

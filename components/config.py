@@ -129,7 +129,7 @@ class LRScheduler:
     warmup_steps: int = _opt(10, "steps of linear warmup from near zero to lr", _ge(0))
     decay_ratio: float = _opt(
         1.0,
-        "fraction of steps spent decaying at the end; 1 = decay right after warmup, "
+        "fraction of the post-warmup steps spent decaying at the end; 1 = decay right after warmup, "
         "< 1 = warmup-stable-decay",
         _between(0, 1),
     )

@@ -55,8 +55,11 @@ def write_token_file(documents: Iterable[str], tokenizer: Tokenizer, out: Path) 
                 arr = np.asarray(ids, dtype=dtype)
                 f.write(arr.tobytes())
                 total += len(arr)
+    # The sidecar first: a reader that finds the .bin must also find its dtype.
+    meta_tmp = out.with_name(f"{out.stem}.json.tmp{os.getpid()}")
+    meta_tmp.write_text(json.dumps({"tokens": total, "dtype": dtype.name}))
+    os.replace(meta_tmp, out.with_suffix(".json"))
     os.replace(tmp, out)
-    out.with_suffix(".json").write_text(json.dumps({"tokens": total, "dtype": dtype.name}))
     return total
 
 
@@ -116,10 +119,22 @@ class TokenWindows:
     """A token file read as non-overlapping windows of seq_len + 1 tokens (inputs and shifted labels)."""
 
     def __init__(self, path: Path, seq_len: int, vocab_size: int) -> None:
-        if not Path(path).exists():
+        path = Path(path)
+        if not path.exists():
             raise KilnError(f"token file not found: {path}")
-        self.path = Path(path)
-        self.tokens = np.memmap(path, dtype=token_dtype(vocab_size), mode="r")
+        self.path = path
+        # The dtype was chosen by the tokenizer that wrote the file (see the .json beside it);
+        # the model's vocabulary only bounds the ids.
+        meta = path.with_suffix(".json")
+        dtype = json.loads(meta.read_text())["dtype"] if meta.exists() else token_dtype(vocab_size)
+        if path.stat().st_size % np.dtype(dtype).itemsize:
+            raise KilnError(f"token file {path} is not a whole number of {dtype} tokens")
+        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        if len(self.tokens) and int(self.tokens.max()) >= vocab_size:
+            raise KilnError(
+                f"token file {path} holds token id {int(self.tokens.max())}, outside the model's "
+                f"vocabulary of {vocab_size}: it was made with another tokenizer"
+            )
         self.seq_len = seq_len
         self.num_windows = max(0, (len(self.tokens) - 1) // seq_len)
 

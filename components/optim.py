@@ -60,6 +60,8 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay_ratio: fl
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int,
                        decay_ratio: float, decay_type: str, min_lr_factor: float) -> LambdaLR:
     """A LambdaLR over lr_factor (Stateful through its state_dict, so it resumes exactly)."""
+    if decay_type not in ("linear", "cosine", "sqrt"):
+        raise KilnError(f"unknown lr_scheduler.decay_type {decay_type!r}; choose linear/cosine/sqrt")
     if not 0.0 <= decay_ratio <= 1.0:
         raise KilnError(f"lr_scheduler.decay_ratio must be in [0, 1], got {decay_ratio}")
     fn = functools.partial(lr_factor, warmup_steps=warmup_steps, total_steps=total_steps,

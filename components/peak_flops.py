@@ -44,7 +44,8 @@ def measure_cpu_tflops(size: int = 1024, repeats: int = 8) -> float:
 
 def cpu_peak() -> PeakFlops:
     """The measured CPU peak, cached per (processor, thread count, torch version)."""
-    key = f"{platform.processor() or platform.machine()}|threads={torch.get_num_threads()}|{torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    key = f"{cpu}|threads={torch.get_num_threads()}|{torch.__version__}"
     path = _cache_file()
     try:
         cache = json.loads(path.read_text())

@@ -33,12 +33,16 @@ def apply_fsdp(
     else:
         raise ValueError(f"reshard_after_forward must be default/always/never, got {reshard_after_forward!r}")
     kwargs = {"mesh": mesh, "mp_policy": mp_policy}
-    if getattr(model, "tok_embeddings", None) is not None:
-        fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **kwargs)
+    embed = getattr(model, "tok_embeddings", None)
+    output = getattr(model, "output", None)
+    tied = embed is not None and output is not None and output.weight is embed.weight
+    if embed is not None and not tied:
+        fully_shard(embed, reshard_after_forward=reshard, **kwargs)
     for block in model.layers.values():
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
-    # The norm and the head run last and are needed first in backward: never reshard them.
-    tail = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
+    # The norm and the head run last and are needed first in backward: never reshard them. A
+    # tied embedding must live in the same FSDP group as the head that shares its weight.
+    tail = [m for m in (embed if tied else None, getattr(model, "norm", None), output) if m is not None]
     if tail:
         fully_shard(tail, reshard_after_forward=False, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)

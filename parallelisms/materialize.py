@@ -25,6 +25,24 @@ def canonical_name(name: str) -> str:
     return name
 
 
+def to_empty_keeping_ties(module: nn.Module, device: torch.device) -> None:
+    """module.to_empty(), then re-share parameters that were shared before (tied embeddings).
+
+    to_empty() replaces each module's tensors one module at a time, so a parameter shared by two
+    modules would come back as two unrelated tensors.
+    """
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in module.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((mod, name))
+    module.to_empty(device=device)
+    for group in owners.values():
+        first_mod, first_name = group[0]
+        for mod, name in group[1:]:
+            mod._parameters[name] = first_mod._parameters[first_name]
+
+
 @torch.no_grad()
 def materialize_and_init(
     model: nn.Module, make_plain_model: Callable[[], nn.Module], seed: int, device: torch.device
@@ -35,7 +53,7 @@ def materialize_and_init(
     init_weights(buffer_device) defines the initial weights. `model` keeps only the parameters
     it owns (a pipeline stage owns some), each possibly a DTensor shard.
     """
-    model.to_empty(device=device)
+    to_empty_keeping_ties(model, device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         with torch.device("meta"):

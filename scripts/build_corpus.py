@@ -13,7 +13,6 @@ import argparse
 import configparser
 import gzip
 import hashlib
-import io
 import json
 import re
 import tarfile
@@ -68,7 +67,7 @@ def join(lines: list[str]) -> str:
 def cut(lines: list[str], starts: list[int]) -> list[str]:
     """Cuts lines at the start indices; whatever precedes the first start joins the first piece."""
     bounds = [0, *starts[1:], len(lines)]
-    return [join(lines[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return [join(lines[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def split_play(lines: list[str]) -> list[str]:

@@ -42,7 +42,8 @@ def train_rows(dump: Path) -> list[dict]:
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:
     """Fail with the run's output when it did not exit 0."""
-    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT\n{proc.stdout[-4000:]}\nSTDERR\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nSTDOUT\n{proc.stdout[-4000:]}\nSTDERR\n{proc.stderr[-6000:]}")
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,6 @@
 """Activation checkpointing and torch.compile change memory and speed, never the numbers."""
 
 import pytest
-
 from conftest import TINY, check_ok, run_train, train_rows
 
 
@@ -22,7 +21,7 @@ def plain(tmp_path_factory, data_cache):
 def test_same_losses(plain, args, tmp_path, data_cache):
     check_ok(run_train([*TINY, "--training.steps", "4", *args, "--job.dump_folder", str(tmp_path),
                         "--training.data_cache_dir", str(data_cache)], timeout=600))
-    for ref, got in zip(plain, train_rows(tmp_path)):
+    for ref, got in zip(plain, train_rows(tmp_path), strict=True):
         assert abs(got["loss"] - ref["loss"]) <= 1e-5 * ref["loss"], (args, ref["step"])
         assert abs(got["grad_norm"] - ref["grad_norm"]) <= 1e-4 * ref["grad_norm"], (args, ref["step"])
 
@@ -32,5 +31,5 @@ def test_ac_under_fsdp(plain, tmp_path, data_cache):
                         "--training.local_batch_size", "4", "--training.global_batch_size", "8",
                         "--job.dump_folder", str(tmp_path), "--training.data_cache_dir", str(data_cache)],
                        nproc=2))
-    for ref, got in zip(plain, train_rows(tmp_path)):
+    for ref, got in zip(plain, train_rows(tmp_path), strict=True):
         assert abs(got["loss"] - ref["loss"]) <= 1e-5 * ref["loss"]

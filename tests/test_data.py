@@ -114,7 +114,8 @@ def test_resume_continues_the_sequence(tmp_path: Path) -> None:
     resumed.load_state_dict(first.state_dict())
     for want in expected[3:]:
         got = next(resumed)
-        assert all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) for g, w in zip(got, want))
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
 
 
 def test_loader_errors(tmp_path: Path) -> None:
@@ -196,3 +197,19 @@ def test_validation_batches_split_rows(tmp_path: Path) -> None:
     assert len(validation_batches(windows, 2, 0, 3, max_steps=1)) == 1
     with pytest.raises(KilnError, match="validation"):
         validation_batches(windows, 8, 0, 2, max_steps=-1)
+
+
+def test_token_file_dtype_comes_from_the_tokenizer(tmp_path: Path, tok: Tokenizer) -> None:
+    """A uint16 file (4096-token tokenizer) reads right under a model with a 128k vocabulary."""
+    out = tmp_path / "t.bin"
+    write_token_file(["To be, or not to be."], tok, out)
+    expected = [tok.bos_id, *tok.encode("To be, or not to be."), tok.eos_id]
+    windows = TokenWindows(out, seq_len=len(expected) - 1, vocab_size=128256)
+    assert windows.rows(np.array([0]))[0].tolist() == expected
+
+
+def test_token_ids_beyond_the_model_vocab_are_an_error(tmp_path: Path, tok: Tokenizer) -> None:
+    out = tmp_path / "t.bin"
+    write_token_file(["To be, or not to be."], tok, out)
+    with pytest.raises(KilnError, match="another tokenizer"):
+        TokenWindows(out, seq_len=2, vocab_size=10)

@@ -1,7 +1,6 @@
 """Bad input ends with one clear message naming the culprit, a non-zero exit and no traceback."""
 
 import pytest
-
 from conftest import TINY, run_train
 
 
@@ -30,7 +29,7 @@ def _fails_with(proc, *fragments: str) -> None:
     (["--training.dataset_path", "/no/such/corpus.jsonl"], ["/no/such/corpus.jsonl"]),
     (["--model.tokenizer_path", "/no/tokenizer.json"], ["/no/tokenizer.json"]),
     (["--training.seq_len", "4096"], ["seq_len 4096", "max_seq_len"]),
-], ids=lambda v: v[0] if isinstance(v, list) and v and isinstance(v[0], str) and v[0].startswith("--") else None)
+], ids=lambda v: v[0] if isinstance(v, list) and v and str(v[0]).startswith("--") else None)
 def test_bad_input_single_process(args, fragments, tmp_path):
     _fails_with(run_train([*TINY, "--job.dump_folder", str(tmp_path), *args]), *fragments)
 

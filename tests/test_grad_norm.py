@@ -51,7 +51,7 @@ def test_clip_scales_to_max_norm() -> None:
     returned = clip_grad_norm(params, max_norm=1.0)
     assert returned.item() == pytest.approx(before, rel=1e-6)  # the norm before clipping
     assert reference_norm(params) == pytest.approx(1.0, rel=1e-5)
-    for p, g in zip(params, grads):  # same direction, uniform scale
+    for p, g in zip(params, grads, strict=True):  # same direction, uniform scale
         torch.testing.assert_close(p.grad.double(), g.double() / before, rtol=1e-5, atol=1e-12)
 
 
@@ -67,4 +67,4 @@ def test_non_positive_max_norm_only_measures(max_norm: float) -> None:
     grads = [torch.tensor([30.0, 40.0]), torch.tensor([[0.0, 120.0]])]  # norm 130
     params = params_with_grads(*grads)
     assert clip_grad_norm(params, max_norm).item() == pytest.approx(130.0)
-    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads, strict=True))

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from conftest import TINY, check_ok, run_train
 
 PROBE = "tests/helpers/dump_init_weights.py"

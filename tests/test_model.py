@@ -71,7 +71,7 @@ def test_initial_loss_near_uniform() -> None:
 
 def test_init_after_to_empty_is_finite_and_seeded() -> None:
     a, b, c = build("tiny", seed=5), build("tiny", seed=5), build("tiny", seed=6)
-    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
         assert torch.isfinite(pa).all(), name
         assert torch.equal(pa, pb), name
         if "norm" not in name:  # norms are ones whatever the seed

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import TINY, check_ok, read_metrics, run_train, train_rows
 
 ROW_KEYS = {"step", "loss", "grad_norm", "lr", "tokens", "tps", "tflops", "mfu", "mem_gib", "time"}

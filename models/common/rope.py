@@ -1,4 +1,4 @@
-"""Rotary position embeddings with real-valued cos/sin tables (torch.compile-friendly, unlike complex RoPE)."""
+"""Rotary position embeddings from real cos/sin tables (compiles, unlike complex-number RoPE)."""
 
 import math
 from dataclasses import dataclass

@@ -1,6 +1,6 @@
 """The Llama 3 dense transformer in plain PyTorch (no torch.distributed: parallelize.py adds that)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -103,6 +103,9 @@ class Transformer(nn.Module):
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
         """Initialise every parameter and buffer in place (works after to_empty())."""
         self.init_buffers(buffer_device)
+        if self.args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            # to_empty() gives each module its own new tensor: tie them again.
+            self.output.weight = self.tok_embeddings.weight
         if self.tok_embeddings is not None:
             # A tied embedding doubles as the output head, so it gets the head's small scale.
             std = self.args.dim**-0.5 if self.args.tie_embeddings else 1.0
@@ -119,5 +122,6 @@ class Transformer(nn.Module):
 
 def llama_flops_per_token(args: LlamaArgs, num_params: int, seq_len: int) -> int:
     """Training FLOPs per token: 6 per non-embedding parameter plus causal attention."""
-    dense = num_params - args.vocab_size * args.dim  # the embedding lookup is not a matmul
+    # The embedding lookup is not a matmul; a tied embedding is also the output head, which is.
+    dense = num_params - (0 if args.tie_embeddings else args.vocab_size * args.dim)
     return 6 * dense + attention_flops_per_token(args.n_layers, args.n_heads, args.head_dim, seq_len)

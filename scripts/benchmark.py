@@ -1,0 +1,90 @@
+"""Throughput table: Kiln's single-process step vs a plain PyTorch loop, and FSDP 2 vs 1 process.
+
+    python scripts/benchmark.py [--steps 30] [--repeats 3]
+
+Every run trains the debug model (seq 256, global batch 8) on the embedded corpus in its own
+process; runs alternate (A B A B ...) so drift on a shared machine hits both sides alike, and the
+table shows the median tokens/s of the timed steps (the first `--warmup` steps are not timed).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def kiln_tps(nproc: int, threads: int, steps: int, warmup: int, cache: Path, extra: list[str]) -> float:
+    """Tokens/s (all processes together) of train.py between step `warmup` and the last step."""
+    with tempfile.TemporaryDirectory() as dump:
+        args = ["--config", "llama_debug", "--training.steps", str(steps), "--metrics.log_freq", "1",
+                "--job.dump_folder", dump, "--training.data_cache_dir", str(cache), *extra]
+        if nproc == 1:
+            cmd = [sys.executable, "train.py", *args]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={nproc}", "train.py", *args]
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
+        rows = [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if "loss" in r]
+        first, last = rows[warmup - 1], rows[-1]
+        return (last["tokens"] - first["tokens"]) / (last["time"] - first["time"])
+
+
+def plain_tps(threads: int, steps: int, warmup: int, cache: Path) -> float:
+    """Tokens/s of scripts/plain_loop.py on the same data."""
+    tokens = next(cache.glob("train-*.bin"))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    out = subprocess.run([sys.executable, "scripts/plain_loop.py", "--tokens", str(tokens),
+                          "--steps", str(steps), "--warmup", str(warmup)],
+                         cwd=REPO, env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["tps"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="threads of a single-process run (FSDP runs use threads / nproc each)")
+    a = ap.parse_args()
+    cache = Path(tempfile.mkdtemp(prefix="kiln-bench-"))
+    kiln_tps(1, 1, 2, 1, cache, [])  # tokenize the corpus once, outside the timings
+    runs = {
+        f"plain PyTorch loop, 1 process × {a.threads} threads":
+            lambda: plain_tps(a.threads, a.steps, a.warmup, cache),
+        f"Kiln, 1 process × {a.threads} threads":
+            lambda: kiln_tps(1, a.threads, a.steps, a.warmup, cache, []),
+        "Kiln, 1 process × 1 thread": lambda: kiln_tps(1, 1, a.steps, a.warmup, cache, []),
+        "Kiln FSDP2, 2 processes × 1 thread": lambda: kiln_tps(
+            2, 1, a.steps, a.warmup, cache, ["--training.local_batch_size", "4",
+                                             "--training.global_batch_size", "8"]),
+    }
+    results: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(a.repeats):
+        for name, fn in runs.items():
+            results[name].append(fn())
+    median = {name: statistics.median(v) for name, v in results.items()}
+    names = list(runs)
+    base = median[names[0]]
+    print(f"\ndebug model (7.2M params), seq 256, global batch 8, {a.steps} steps ({a.warmup} untimed), "
+          f"median of {a.repeats}\n")
+    print(f"| {'run':<44} | {'tokens/s':>9} | {'vs plain loop':>13} |")
+    print(f"|{'-' * 46}|{'-' * 11}|{'-' * 15}|")
+    for name in names:
+        print(f"| {name:<44} | {median[name]:>9,.0f} | {median[name] / base:>13.3f} |")
+    one = median["Kiln, 1 process × 1 thread"]
+    fsdp = median["Kiln FSDP2, 2 processes × 1 thread"]
+    print(f"\nKiln overhead: Kiln / plain = {median[names[1]] / base:.3f}; "
+          f"FSDP2 (2 × 1 thread) / 1 process × 1 thread = {fsdp / one:.2f}")
+
+
+if __name__ == "__main__":
+    main()
