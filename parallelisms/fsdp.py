@@ -59,6 +59,9 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Skip (or resume) the gradient reduction: off for every microbatch but the last."""
-    if isinstance(model, FSDPModule):
+    """Skip (or resume) the gradient reduction: off for every microbatch but the last.
+
+    FSDP2 modules and torch's composable replicate (DDP) both offer set_requires_gradient_sync.
+    """
+    if isinstance(model, FSDPModule) or hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(enabled)
