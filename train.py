@@ -14,6 +14,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from components.checkpoint import CheckpointManager
+from components.checkpoint_states import (
+    DataLoaderState,
+    ModelState,
+    OptimizerState,
+    SchedulerState,
+    TrainState,
+)
 from components.config import REPO_ROOT, JobConfig, config_to_toml, load_config
 from components.data import (
     BatchLoader,
@@ -30,6 +38,7 @@ from components.loss import IGNORE_INDEX, cross_entropy_sum
 from components.metrics import MetricsLogger
 from components.optim import build_lr_scheduler, build_optimizer
 from components.peak_flops import peak_flops
+from components.preemption import StopRequest
 from components.profiling import maybe_profile
 from components.tokenizer import Tokenizer
 from models import UnknownModelError, get_model_args, get_model_spec
@@ -120,7 +129,19 @@ class Trainer:
         self.scheduler = build_lr_scheduler(
             self.optimizer, warmup_steps=s.warmup_steps, total_steps=t.steps,
             decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_factor=s.min_lr_factor)
-        self.step, self.tokens_seen = 0, 0
+        self.state = TrainState()
+        c = cfg.checkpoint
+        self.checkpoint = CheckpointManager(
+            self.dump / c.folder,
+            {"model": ModelState([self.model]),
+             "optimizer": OptimizerState([self.model], [self.optimizer]),
+             "lr_scheduler": SchedulerState([self.scheduler]),
+             "dataloader": DataLoaderState(self.loader),
+             "train_state": self.state},
+            enable=c.enable or c.create_seed_checkpoint, interval=c.interval,
+            keep_latest_k=c.keep_latest_k, load_step=c.load_step, async_mode=c.async_mode,
+            last_save_model_only=c.last_save_model_only, export_dtype=c.export_dtype,
+            exclude_from_loading=c.exclude_from_loading, is_main=info.is_main)
         self.peak = peak_flops(info.device, cfg.metrics.peak_tflops)
         if info.is_main:
             self.dump.mkdir(parents=True, exist_ok=True)
@@ -229,35 +250,77 @@ class Trainer:
             count += (labels != IGNORE_INDEX).sum()
         self.model.train()
         tokens = int(count.item()) * self.dims.dp
-        self.metrics.log_validation(self.step, self.global_mean(total, count), tokens)
+        self.metrics.log_validation(self.state.step, self.global_mean(total, count), tokens)
+
+    def restore(self) -> None:
+        """Resume from this run's latest checkpoint, else start from checkpoint.initial_load_path."""
+        c = self.checkpoint
+        step = c.load()
+        if step is not None:
+            self.loader.step = self.state.step + 1
+            self.say(f"resumed from {c.folder}/step-{step} ({c.last_load_seconds:.2f} s)")
+            return
+        path = self.cfg.checkpoint.initial_load_path
+        if path:
+            if self.cfg.checkpoint.initial_load_in_hf:
+                raise KilnError("checkpoint.initial_load_in_hf needs the model's Hugging Face adapter")
+            parts = ["model"] if self.cfg.checkpoint.initial_load_model_only else list(self.checkpoint.states)
+            loaded = c.load_from(resolve_path(path), parts)
+            self.say(f"started from {path} ({', '.join(loaded)})")
+
+    def say(self, line: str) -> None:
+        """A console line from the main rank."""
+        if self.info.is_main:
+            print(line, flush=True)
+
+    def save_checkpoint(self, last: bool) -> None:
+        self.checkpoint.save(self.state.step, last=last)
+        blocked = self.checkpoint.last_save_seconds["blocked"]
+        self.say(f"checkpoint {self.checkpoint.folder}/step-{self.state.step} "
+                 f"({'queued' if self.checkpoint.pending else 'saved'}; training blocked {blocked:.2f} s)")
 
     def train(self) -> None:
-        """The loop: batch → step → metrics → validation, until training.steps."""
-        cfg, t = self.cfg, self.cfg.training
-        if self.info.is_main:
-            print(self.summary(), flush=True)
+        """The loop: batch → step → metrics → validation → checkpoint, until training.steps."""
+        cfg, t, st = self.cfg, self.cfg.training, self.state
+        self.say(self.summary())
+        self.restore()
+        stop = StopRequest()
         gc_control = GarbageCollection(t.gc_freq)
         tokens_per_step = self.global_batch * t.seq_len
         prof_dir = self.dump / cfg.profiling.save_traces_folder
         with maybe_profile(cfg.profiling.enable_profiling, prof_dir, cfg.profiling.profile_freq,
                            self.info.rank) as profiler:
-            while self.step < t.steps:
-                self.step += 1
-                self.loader.step = self.step
+            while st.step < t.steps:
+                st.step += 1
+                self.loader.step = st.step
                 lr = self.scheduler.get_last_lr()[0]
                 loss_sum, local_tokens, grad_norm = self.train_step(next(self.loader))
-                self.tokens_seen += tokens_per_step
+                st.tokens_seen += tokens_per_step
                 self.metrics.count_tokens(tokens_per_step // self.info.world_size)
-                if self.step % cfg.metrics.log_freq == 0 or self.step == t.steps:
+                last = st.step == t.steps
+                if st.step % cfg.metrics.log_freq == 0 or last:
                     loss = self.global_mean(loss_sum, local_tokens)
-                    self.metrics.log_step(self.step, loss, grad_norm.item(), lr, self.tokens_seen)
-                last = self.step == t.steps
-                if cfg.validation.enable and (self.step % cfg.validation.freq == 0 or last):
+                    self.metrics.log_step(st.step, loss, grad_norm.item(), lr, st.tokens_seen)
+                if cfg.validation.enable and (st.step % cfg.validation.freq == 0 or last):
                     self.validate()
-                gc_control.maybe_collect(self.step)
+                preempted = stop.agreed(self.info.device)
+                if self.checkpoint.should_save(st.step, last) or (preempted and self.checkpoint.enable):
+                    self.save_checkpoint(last)
+                gc_control.maybe_collect(st.step)
                 if profiler is not None:
                     profiler.step()
+                if preempted:
+                    self.say(f"stopping at step {st.step} on signal {stop.received or 'from another rank'}")
+                    break
+        self.checkpoint.close()
         self.metrics.close()
+
+    def create_seed_checkpoint(self) -> None:
+        """Write the initial weights as step-0 (model only) and stop."""
+        if self.info.world_size != 1:
+            raise KilnError("checkpoint.create_seed_checkpoint runs as one process (python train.py ...)")
+        self.checkpoint.save(0, model_only=True)
+        self.say(f"seed checkpoint written to {self.checkpoint.folder}/step-0")
 
 
 def main(argv: list[str]) -> int:
@@ -268,7 +331,10 @@ def main(argv: list[str]) -> int:
         cfg = load_config(argv)
         info = init_distributed(cfg.comm.timeout_seconds)
         trainer = Trainer(cfg, info)
-        trainer.train()
+        if cfg.checkpoint.create_seed_checkpoint:
+            trainer.create_seed_checkpoint()
+        else:
+            trainer.train()
         code = 0
     except KilnError as e:
         if is_main:

@@ -166,6 +166,26 @@ class Checkpoint:
     interval: int = _opt(500, "save every N steps", _ge(1))
     keep_latest_k: int = _opt(0, "keep only the newest K checkpoints; 0 = keep all", _ge(0))
     load_step: int = _opt(-1, "step to resume from; -1 = the latest", _ge(0, or_=-1))
+    async_mode: Literal["disabled", "async"] = _opt(
+        "disabled", "async = write checkpoints in the background while training goes on"
+    )
+    last_save_model_only: bool = _opt(False, "the checkpoint at the last step holds the model only")
+    export_dtype: Literal["float32", "bfloat16", "float16"] = _opt(
+        "float32", "dtype of model-only checkpoints (last_save_model_only, seed checkpoints)"
+    )
+    initial_load_path: str = _opt(
+        "", "a checkpoint step folder to start from when the run has no checkpoint of its own"
+    )
+    initial_load_model_only: bool = _opt(True, "load only the model from initial_load_path")
+    initial_load_in_hf: bool = _opt(
+        False, "initial_load_path is a Hugging Face folder (config.json + safetensors)"
+    )
+    exclude_from_loading: str = _opt(
+        "", "comma-separated parts not to load: model, optimizer, lr_scheduler, dataloader, train_state"
+    )
+    create_seed_checkpoint: bool = _opt(
+        False, "write the initial weights as step-0 (one process) and exit; any layout can start from it"
+    )
 
 
 @dataclass

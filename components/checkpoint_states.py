@@ -1,0 +1,123 @@
+"""The Stateful parts of a run, with layout-free state dicts, and a load planner that never unpickles code."""
+
+import io
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.optim.lr_scheduler import LambdaLR
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, but non-tensor values are read with torch.load(weights_only=True).
+
+    DCP's default unpickles them freely; a checkpoint from elsewhere could then run code.
+    """
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:  # write through to the caller's nested dict, as DCP's own does
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+class ModelState(Stateful):
+    """All model parts (several with pipeline parallel) as one dict keyed by plain parameter names."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        self.parts = parts
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        merged: dict[str, torch.Tensor] = {}
+        for part in self.parts:
+            merged.update(get_model_state_dict(part))
+        return merged
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for part in self.parts:
+            set_model_state_dict(part, state, options=StateDictOptions(strict=False))
+
+
+class OptimizerState(Stateful):
+    """Optimizer states flattened to `state.<param name>.<field>` keys, so they reshard like the model."""
+
+    _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+        self.pairs = list(zip(parts, optimizers, strict=True))
+
+    def state_dict(self) -> dict:
+        merged: dict = {}
+        for part, opt in self.pairs:
+            merged.update(get_optimizer_state_dict(part, opt, options=self._OPTIONS))
+        return merged
+
+    def load_state_dict(self, state: dict) -> None:
+        for part, opt in self.pairs:
+            set_optimizer_state_dict(part, opt, state, options=self._OPTIONS)
+
+
+class SchedulerState(Stateful):
+    """LR schedules are functions of the step: their state is the step count (a tensor, no pickles)."""
+
+    def __init__(self, schedulers: list[LambdaLR]) -> None:
+        self.schedulers = schedulers
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"last_epoch": torch.tensor(self.schedulers[0].last_epoch)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        epoch = int(state["last_epoch"])
+        for sched in self.schedulers:
+            sched.last_epoch = epoch
+            sched._step_count = epoch + 1
+            lrs = [base * fn(epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
+            for group, lr in zip(sched.optimizer.param_groups, lrs, strict=True):
+                group["lr"] = lr
+            sched._last_lr = lrs
+
+
+class TrainState(Stateful):
+    """Step, tokens seen and the RNG states: what the loop itself must carry across a restart."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.tokens_seen = 0
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen),
+                 "cpu_rng": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda_rng"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        torch.set_rng_state(state["cpu_rng"])
+        if torch.cuda.is_available() and "cuda_rng" in state:
+            torch.cuda.set_rng_state(state["cuda_rng"])
+
+
+class DataLoaderState(Stateful):
+    """The loader's resume state: the next step (its batches are a function of the step alone)."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"step": torch.tensor(self.loader.step), "seed": torch.tensor(self.loader.seed),
+                "global_batch_size": torch.tensor(self.loader.global_batch_size)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.loader.step = int(state["step"])

@@ -1,0 +1,214 @@
+"""Checkpoints: exact resume, resume in another layout, atomic saves, async, seed, export, bad input.
+
+A run of 20 steps saves every 5; a resumed run starts from a copy of one of its step folders and
+must reproduce the uninterrupted run's losses for the steps after it.
+"""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch.distributed.checkpoint as dcp
+
+from conftest import TINY, check_ok, read_metrics, run_train, train_rows
+
+CKPT = ["--training.steps", "20", "--checkpoint.enable", "--checkpoint.interval", "5"]
+
+
+def args_for(dump: Path, cache: Path, *extra: str) -> list[str]:
+    return [*TINY, *CKPT, "--job.dump_folder", str(dump), "--training.data_cache_dir", str(cache), *extra]
+
+
+def resume_from(source: Path, step: int, dump: Path) -> None:
+    """Start a new dump folder that holds only source's step-N checkpoint."""
+    (dump / "checkpoint").mkdir(parents=True)
+    shutil.copytree(source / "checkpoint" / f"step-{step}", dump / "checkpoint" / f"step-{step}")
+
+
+def losses(dump: Path) -> dict[int, tuple[float, float]]:
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in train_rows(dump)}
+
+
+def assert_same(got: dict, ref: dict, steps: range, rel: float) -> None:
+    for s in steps:
+        for a, b in zip(got[s], ref[s], strict=True):
+            assert abs(a - b) <= rel * abs(b), (s, got[s], ref[s])
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, data_cache):
+    """20 uninterrupted single-process steps, checkpoints at 5, 10, 15, 20."""
+    dump = tmp_path_factory.mktemp("single")
+    check_ok(run_train(args_for(dump, data_cache)))
+    return dump
+
+
+@pytest.fixture(scope="module")
+def fsdp4(tmp_path_factory, data_cache):
+    """20 uninterrupted FSDP 4 steps (same global batch), checkpoints every 5."""
+    dump = tmp_path_factory.mktemp("fsdp4")
+    check_ok(run_train(args_for(dump, data_cache, "--training.local_batch_size", "2"), nproc=4))
+    return dump
+
+
+def test_saves_every_interval_atomically(single):
+    folder = single / "checkpoint"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-10", "step-15", "step-20", "step-5"]
+    assert all((p / ".metadata").exists() for p in folder.iterdir())
+
+
+def test_exact_resume_single_process_twice(single, tmp_path, data_cache):
+    first = tmp_path / "first"
+    resume_from(single, 10, first)
+    proc = run_train(args_for(first, data_cache))
+    check_ok(proc)
+    assert "resumed from" in proc.stdout and "step-10" in proc.stdout
+    got = losses(first)
+    assert sorted(got) == list(range(11, 21))
+    assert_same(got, losses(single), range(11, 21), rel=0.0)  # bitwise
+    # A second resume, from a checkpoint that a resumed run wrote.
+    second = tmp_path / "second"
+    resume_from(first, 15, second)
+    check_ok(run_train(args_for(second, data_cache)))
+    assert sorted(losses(second)) == list(range(16, 21))
+    assert_same(losses(second), losses(single), range(16, 21), rel=0.0)
+
+
+def test_exact_resume_fsdp2(tmp_path, data_cache):
+    straight = tmp_path / "straight"
+    fsdp2 = ["--training.local_batch_size", "4"]
+    check_ok(run_train(args_for(straight, data_cache, *fsdp2), nproc=2))
+    resumed = tmp_path / "resumed"
+    resume_from(straight, 10, resumed)
+    check_ok(run_train(args_for(resumed, data_cache, *fsdp2), nproc=2))
+    assert_same(losses(resumed), losses(straight), range(11, 21), rel=1e-6)
+
+
+@pytest.mark.parametrize("nproc,extra", [
+    (2, ["--training.local_batch_size", "4"]),  # FSDP 4 → FSDP 2
+    (1, []),  # FSDP 4 → one process
+    (2, ["--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2",
+         "--parallelism.data_parallel_shard_degree", "1"]),  # FSDP 4 → DDP 2
+], ids=["to_fsdp2", "to_single", "to_ddp2"])
+def test_resume_in_another_layout(fsdp4, nproc, extra, tmp_path, data_cache):
+    resume_from(fsdp4, 10, tmp_path)
+    check_ok(run_train(args_for(tmp_path, data_cache, *extra), nproc=nproc))
+    assert_same(losses(tmp_path), losses(fsdp4), range(11, 21), rel=1e-5)
+
+
+def test_ddp_checkpoint_resumes_with_fsdp(single, tmp_path, data_cache):
+    ddp = tmp_path / "ddp"
+    check_ok(run_train(args_for(ddp, data_cache, "--training.steps", "10", "--training.local_batch_size", "4",
+                                "--parallelism.data_parallel_replicate_degree", "2",
+                                "--parallelism.data_parallel_shard_degree", "1"), nproc=2))
+    fsdp = tmp_path / "fsdp"
+    resume_from(ddp, 10, fsdp)
+    # steps=10 in the DDP run gives another LR schedule; compare against its own continuation.
+    check_ok(run_train(args_for(fsdp, data_cache, "--training.steps", "12",
+                                "--training.local_batch_size", "4"), nproc=2))
+    single_cont = tmp_path / "single"
+    resume_from(ddp, 10, single_cont)
+    check_ok(run_train(args_for(single_cont, data_cache, "--training.steps", "12")))
+    assert_same(losses(fsdp), losses(single_cont), range(11, 13), rel=1e-5)
+
+
+def test_crash_during_save_keeps_previous_checkpoint(single, tmp_path, data_cache):
+    proc = run_train(args_for(tmp_path, data_cache, "--training.local_batch_size", "4"), nproc=2,
+                     extra_env={"KILN_TEST_CRASH_DURING_SAVE": "10"})
+    assert proc.returncode != 0
+    folder = tmp_path / "checkpoint"
+    assert (folder / "step-10.tmp").exists() and not (folder / "step-10").exists()
+    (folder / "step-15").mkdir()  # a half-written folder without DCP metadata: ignored
+    resumed = run_train(args_for(tmp_path, data_cache, "--training.local_batch_size", "4"), nproc=2)
+    check_ok(resumed)
+    assert "step-5 " in resumed.stdout.split("resumed from")[1].splitlines()[0] + " "
+    assert "ignoring incomplete checkpoint" in resumed.stderr
+    rows = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert_same({r["step"]: (r["loss"], r["grad_norm"]) for r in rows[-15:]}, losses(single),
+                range(6, 21), rel=1e-5)
+    assert (folder / "step-10" / ".metadata").exists()
+
+
+def test_keep_latest_and_load_step(single, tmp_path, data_cache):
+    check_ok(run_train(args_for(tmp_path, data_cache, "--checkpoint.keep_latest_k", "2")))
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-15", "step-20"]
+    again = tmp_path / "again"
+    shutil.copytree(single / "checkpoint", again / "checkpoint")
+    proc = run_train(args_for(again, data_cache, "--checkpoint.load_step", "5"))
+    check_ok(proc)
+    assert_same(losses(again), losses(single), range(6, 21), rel=0.0)
+
+
+def test_async_save_resumes_exactly(single, tmp_path, data_cache):
+    run = tmp_path / "async"
+    proc = run_train(args_for(run, data_cache, "--checkpoint.async_mode", "async",
+                              "--training.local_batch_size", "4"), nproc=2)
+    check_ok(proc)
+    assert "queued" in proc.stdout
+    assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["step-10", "step-15", "step-20", "step-5"]
+    resumed = tmp_path / "resumed"
+    resume_from(run, 10, resumed)
+    check_ok(run_train(args_for(resumed, data_cache)))
+    assert_same(losses(resumed), losses(single), range(11, 21), rel=1e-5)
+
+
+def test_seed_checkpoint_starts_any_layout(tmp_path, data_cache):
+    seed7 = tmp_path / "seed7"
+    check_ok(run_train(args_for(seed7, data_cache, "--training.seed", "7",
+                                "--checkpoint.create_seed_checkpoint")))
+    assert [p.name for p in (seed7 / "checkpoint").iterdir()] == ["step-0"]
+    # Seed-7 weights, seed-42 data order, in two layouts: equal to each other, unlike seed-42 weights.
+    runs = {}
+    for name, nproc, extra in (("single", 1, []), ("fsdp", 2, ["--training.local_batch_size", "4"]),
+                               ("plain", 1, ["--checkpoint.enable", "false"])):
+        dump = tmp_path / name
+        if name != "plain":
+            resume_from(seed7, 0, dump)
+        proc = run_train(args_for(dump, data_cache, "--training.steps", "3", *extra), nproc=nproc)
+        check_ok(proc)
+        assert ("step-0" in proc.stdout) == (name != "plain")
+        runs[name] = losses(dump)
+    assert_same(runs["fsdp"], runs["single"], range(1, 4), rel=1e-5)
+    assert abs(runs["plain"][1][0] - runs["single"][1][0]) > 1e-4
+
+
+def test_model_only_export_dtype(tmp_path, data_cache):
+    check_ok(run_train(args_for(tmp_path, data_cache, "--training.steps", "5",
+                                "--checkpoint.last_save_model_only", "--checkpoint.export_dtype",
+                                "bfloat16")))
+    meta = dcp.FileSystemReader(str(tmp_path / "checkpoint" / "step-5")).read_metadata()
+    keys = list(meta.state_dict_metadata)
+    assert keys and all(k.startswith("model.") for k in keys)
+    assert {str(m.properties.dtype) for m in meta.state_dict_metadata.values()} == {"torch.bfloat16"}
+
+
+def _fails_with(proc, *fragments):
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("kiln: error:")]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_bad_checkpoints_are_clear_errors_and_touch_nothing(single, tmp_path, data_cache):
+    run = tmp_path / "run"
+    shutil.copytree(single / "checkpoint", run / "checkpoint")
+    before = _snapshot(run / "checkpoint")
+    _fails_with(run_train(args_for(run, data_cache, "--checkpoint.load_step", "7")),
+                "load_step 7", "5, 10, 15, 20")
+    _fails_with(run_train(args_for(run, data_cache, "--model.flavor", "debug", "--training.seq_len", "64")),
+                "tok_embeddings.weight", "[4096, 64]", "[4096, 256]")
+    assert _snapshot(run / "checkpoint") == before
+    corrupt = tmp_path / "corrupt"
+    resume_from(single, 20, corrupt)
+    (corrupt / "checkpoint" / "step-20" / ".metadata").write_bytes(b"not a checkpoint")
+    _fails_with(run_train(args_for(corrupt, data_cache)), "step-20")
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "checkpoint").write_text("a file where the folder should be")
+    _fails_with(run_train(args_for(blocked, data_cache)), "not writable")
