@@ -1,4 +1,4 @@
-"""CheckpointManager: atomic, resharding, optionally asynchronous checkpoints over torch.distributed.checkpoint.
+"""CheckpointManager: atomic, resharding, optionally asynchronous checkpoints over DCP.
 
 A checkpoint is one DCP folder `<dump>/<folder>/step-N/` holding every Stateful part of a run
 (model, optimizer, lr_scheduler, dataloader, train_state) under layout-free names: FSDP/DDP/TP
@@ -208,7 +208,8 @@ class CheckpointManager:
         if self.is_main:
             tmp.rename(final)
             if self.keep_latest_k > 0:
-                for old_step, old in list(complete_checkpoints(self.folder).items())[: -self.keep_latest_k]:
+                complete = list(complete_checkpoints(self.folder).values())
+                for old in complete[: -self.keep_latest_k]:
                     shutil.rmtree(old, ignore_errors=True)
 
     def close(self) -> None:

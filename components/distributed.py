@@ -44,10 +44,26 @@ def init_distributed(timeout_seconds: int) -> DistInfo:
         torch.cuda.set_device(device)
     if world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = timedelta(seconds=timeout_seconds)
         # An explicit timeout: gloo's default of 30 minutes turns a mismatched collective into a hang.
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_seconds),
-                                device_id=device if device.type == "cuda" else None)
+        store = _attempt_store(rank, world_size, timeout)
+        dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank,
+                                world_size=world_size, device_id=device if device.type == "cuda" else None)
     return DistInfo(rank, local_rank, world_size, device)
+
+
+def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """torchrun's store, under a prefix per restart attempt.
+
+    After an elastic restart the workers reuse torchrun's store, where the killed attempt's
+    process-group keys (peer addresses) are still present: without a fresh prefix a new worker
+    can read a dead peer's address and fail with "Connection refused".
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_hosts_store, timeout=timeout)
+    return dist.PrefixStore(f"kiln/attempt_{attempt}", store)
 
 
 def set_seed(seed: int, deterministic: bool) -> None:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
-
 from conftest import TINY, check_ok, read_metrics, run_train, train_rows
 
 CKPT = ["--training.steps", "20", "--checkpoint.enable", "--checkpoint.interval", "5"]
@@ -145,7 +144,8 @@ def test_async_save_resumes_exactly(single, tmp_path, data_cache):
                               "--training.local_batch_size", "4"), nproc=2)
     check_ok(proc)
     assert "queued" in proc.stdout
-    assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["step-10", "step-15", "step-20", "step-5"]
+    saved = sorted(p.name for p in (run / "checkpoint").iterdir())
+    assert saved == ["step-10", "step-15", "step-20", "step-5"]
     resumed = tmp_path / "resumed"
     resume_from(run, 10, resumed)
     check_ok(run_train(args_for(resumed, data_cache)))

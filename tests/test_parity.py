@@ -19,7 +19,8 @@ LAYOUTS = {
     # Gradient accumulation: global 8 as 2 microbatches of 4 on one process, and FSDP 2 × 2 × 2.
     "accum1": (1, ["--training.local_batch_size", "4"]),
     "fsdp2_accum": (2, ["--training.local_batch_size", "2"]),
-    "ddp2_accum": (2, ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2",
+    "ddp2_accum": (2, ["--training.local_batch_size", "2",
+                       "--parallelism.data_parallel_replicate_degree", "2",
                        "--parallelism.data_parallel_shard_degree", "1"]),
 }
 

@@ -1,0 +1,94 @@
+"""Preemption and elastic restart: a signalled run saves and exits 0; a killed rank restarts all, resumes."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY, check_ok, read_metrics, run_train
+
+STEPS = ["--training.steps", "40", "--training.local_batch_size", "4", "--training.global_batch_size", "8"]
+
+
+def workers_of(pid: int) -> list[int]:
+    """PIDs of the processes whose parent is `pid` (torchrun's workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def launch(args: list[str], *torchrun_flags: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           *torchrun_flags, "train.py", *args]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def last_rows(dump: Path) -> dict[int, float]:
+    """step → loss, the last row of each step (a restarted run repeats some steps)."""
+    return {r["step"]: r["loss"] for r in read_metrics(dump) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, data_cache):
+    dump = tmp_path_factory.mktemp("straight")
+    check_ok(run_train([*TINY, *STEPS, "--job.dump_folder", str(dump),
+                        "--training.data_cache_dir", str(data_cache)], nproc=2))
+    return last_rows(dump)
+
+
+def test_sigterm_saves_and_exits_zero_then_resumes(straight, tmp_path, data_cache):
+    args = [*TINY, *STEPS, "--checkpoint.enable", "--checkpoint.interval", "1000",
+            "--job.dump_folder", str(tmp_path), "--training.data_cache_dir", str(data_cache)]
+    proc = launch(args)
+    metrics = tmp_path / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, proc)
+    for pid in workers_of(proc.pid):  # what a cluster scheduler does at preemption
+        os.kill(pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "stopping at step" in out
+    saved = [p.name for p in (tmp_path / "checkpoint").iterdir()]
+    assert len(saved) == 1
+    stop_step = int(saved[0].split("-")[1])
+    assert 3 <= stop_step < 40 and max(last_rows(tmp_path)) == stop_step
+    check_ok(run_train(args, nproc=2))
+    rows = last_rows(tmp_path)
+    assert max(rows) == 40
+    for step in range(stop_step + 1, 41):
+        assert abs(rows[step] - straight[step]) <= 1e-5 * straight[step], step
+
+
+def test_killed_rank_restarts_all_and_resumes(straight, tmp_path, data_cache):
+    args = [*TINY, *STEPS, "--checkpoint.enable", "--checkpoint.interval", "5",
+            "--job.dump_folder", str(tmp_path), "--training.data_cache_dir", str(data_cache)]
+    proc = launch(args, "--max-restarts=1")
+    wait_for(lambda: (tmp_path / "checkpoint" / "step-10").exists(), proc)
+    victim = workers_of(proc.pid)[-1]
+    os.kill(victim, signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-12000:]
+    assert out.count("resumed from") == 1
+    rows = last_rows(tmp_path)
+    assert max(rows) == 40
+    for step in range(31, 41):
+        assert abs(rows[step] - straight[step]) <= 1e-5 * straight[step], step
