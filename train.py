@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from components.checkpoint import CheckpointManager
+from components.checkpoint import CheckpointManager, check_model_matches
 from components.checkpoint_states import (
     DataLoaderState,
     ModelState,
@@ -263,10 +264,24 @@ class Trainer:
         path = self.cfg.checkpoint.initial_load_path
         if path:
             if self.cfg.checkpoint.initial_load_in_hf:
-                raise KilnError("checkpoint.initial_load_in_hf needs the model's Hugging Face adapter")
+                self.load_hf_weights(resolve_path(path))
+                return
             parts = ["model"] if self.cfg.checkpoint.initial_load_model_only else list(self.checkpoint.states)
             loaded = c.load_from(resolve_path(path), parts)
             self.say(f"started from {path} ({', '.join(loaded)})")
+
+    def load_hf_weights(self, folder: Path) -> None:
+        """Start from a Hugging Face folder: every rank reads the full weights and keeps its shards."""
+        if self.spec.state_dict_adapter is None:
+            raise KilnError(f"model {self.spec.name!r} has no Hugging Face state-dict adapter")
+        from components.hf_io import kiln_state_from_hf  # safetensors + HF config, only needed here
+
+        adapter = self.spec.state_dict_adapter(self.model_args)
+        full = kiln_state_from_hf(folder, adapter)
+        check_model_matches(ModelState([self.model]).state_dict(),
+                            {f"model.{k}": tuple(v.shape) for k, v in full.items()}, folder)
+        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
+        self.say(f"started from the Hugging Face weights in {folder}")
 
     def say(self, line: str) -> None:
         """A console line from the main rank."""

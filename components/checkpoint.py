@@ -161,9 +161,11 @@ class CheckpointManager:
     def save(self, step: int, *, last: bool = False, model_only: bool = False) -> None:
         """Write step-N (model only at the last step if configured); never overwrite a complete one."""
         final = self.folder / f"step-{step}"
+        start = time.perf_counter()  # waiting for the previous async save blocks training too
         self.wait()
         if (final / ".metadata").exists():
-            return  # already complete (e.g. the step we resumed from)
+            self.last_save_seconds = {"blocked": time.perf_counter() - start}
+            return  # never overwrite a complete checkpoint (e.g. the step a run resumed from)
         model_only = model_only or (last and self.last_save_model_only)
         tmp = self.folder / f"step-{step}.tmp"
         if self.is_main and tmp.exists():
@@ -171,7 +173,6 @@ class CheckpointManager:
         if dist.is_initialized():
             dist.barrier()
         state = {"model": self._export_model()} if model_only else dict(self.states)
-        start = time.perf_counter()
         if self.async_mode == "async" and not last:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)
             self._pending = (future, step, tmp, final)

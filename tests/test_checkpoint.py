@@ -212,3 +212,27 @@ def test_bad_checkpoints_are_clear_errors_and_touch_nothing(single, tmp_path, da
     blocked.mkdir()
     (blocked / "checkpoint").write_text("a file where the folder should be")
     _fails_with(run_train(args_for(blocked, data_cache)), "not writable")
+
+
+def test_initial_load_path_and_exclusions(single, tmp_path, data_cache):
+    source = str(single / "checkpoint" / "step-10")
+    fresh = losses(single)
+    # Model only (the default): step numbering restarts, the weights are the trained ones.
+    weights = tmp_path / "weights"
+    proc = run_train(args_for(weights, data_cache, "--training.steps", "2",
+                              "--checkpoint.initial_load_path", source))
+    check_ok(proc)
+    assert "started from" in proc.stdout
+    assert sorted(losses(weights)) == [1, 2] and losses(weights)[1][0] < fresh[1][0] - 0.3
+    # Everything: the run carries on at step 11 exactly as the source did.
+    whole = tmp_path / "whole"
+    check_ok(run_train(args_for(whole, data_cache, "--checkpoint.initial_load_path", source,
+                                "--checkpoint.initial_load_model_only", "false")))
+    assert_same(losses(whole), fresh, range(11, 21), rel=0.0)
+    # Resume without the optimizer state: same step and data, fresh Adam moments → another path.
+    no_opt = tmp_path / "no_opt"
+    resume_from(single, 10, no_opt)
+    check_ok(run_train(args_for(no_opt, data_cache, "--checkpoint.exclude_from_loading", "optimizer")))
+    got = losses(no_opt)
+    assert sorted(got) == list(range(11, 21)) and got[11] == fresh[11]
+    assert abs(got[12][0] - fresh[12][0]) > 1e-4
