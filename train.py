@@ -46,6 +46,7 @@ from models import UnknownModelError, get_model_args, get_model_spec
 from parallelisms.fsdp import set_gradient_sync
 from parallelisms.materialize import materialize_and_init
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.tensor_parallel import local_value, loss_context
 
 
 def resolve_path(path: str) -> Path:
@@ -90,8 +91,8 @@ class Trainer:
             cp=p.context_parallel_degree, tp=p.tensor_parallel_degree,
             pp=p.pipeline_parallel_degree, ep=p.expert_parallel_degree, world_size=info.world_size,
         )
-        self.dims.check_model(n_heads=args.n_heads, n_kv_heads=args.kv_heads,
-                              n_layers=args.n_layers, seq_len=t.seq_len)
+        self.dims.check_model(n_heads=args.n_heads, n_kv_heads=args.kv_heads, n_layers=args.n_layers,
+                              seq_len=t.seq_len, vocab_size=args.vocab_size)
         self.dims.build_mesh(info.device.type)
         dp_mesh = self.dims.mesh("dp")
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None else None
@@ -123,6 +124,9 @@ class Trainer:
             if self.param_dtype == "bfloat16" and not self.dims.fsdp_enabled
             else contextlib.nullcontext()
         )
+
+        # Under TP the logits stay sharded over the vocabulary into the loss, unless disabled.
+        self.use_loss_parallel = self.dims.tp > 1 and not cfg.parallelism.disable_loss_parallel
 
         o, s = cfg.optimizer, cfg.lr_scheduler
         self.optimizer = build_optimizer(self.model, o.name, o.lr, (o.beta1, o.beta2), o.eps,
@@ -177,6 +181,9 @@ class Trainer:
             mode = f"DDP over {d.dp_replicate} ranks"
         else:
             mode = "no data parallelism"
+        if d.tp > 1:
+            mode = f"TP {d.tp} (sequence parallel, loss parallel {'on' if self.use_loss_parallel else 'off'})" + (
+                f" × {mode}" if d.dp > 1 else "")
         tokens = self.global_batch * t.seq_len
         backend = dist.get_backend() if dist.is_initialized() else "none"
         lines = [
@@ -215,11 +222,12 @@ class Trainer:
         for i, (inputs, labels) in enumerate(microbatches):
             set_gradient_sync(self.model, i == len(microbatches) - 1)
             inputs, labels = inputs.to(device), labels.to(device)
-            with self.autocast:
-                logits = self.model(inputs)
-            loss = cross_entropy_sum(logits, labels)
-            (loss * scale).backward()
-            loss_sum += loss.detach()
+            with loss_context(self.use_loss_parallel):
+                with self.autocast:
+                    logits = self.model(inputs)
+                loss = cross_entropy_sum(logits, labels)
+                (loss * scale).backward()
+            loss_sum += local_value(loss.detach())
         grad_norm = clip_grad_norm(list(self.model.parameters()), self.cfg.training.max_norm)
         self.optimizer.step()
         self.scheduler.step()
@@ -246,8 +254,8 @@ class Trainer:
         for inputs, labels in validation_batches(windows, t.local_batch_size, self.dp_rank,
                                                  self.dims.dp, v.steps):
             inputs, labels = inputs.to(self.info.device), labels.to(self.info.device)
-            with self.autocast:
-                total += cross_entropy_sum(self.model(inputs), labels).double()
+            with loss_context(self.use_loss_parallel), self.autocast:
+                total += local_value(cross_entropy_sum(self.model(inputs), labels)).double()
             count += (labels != IGNORE_INDEX).sum()
         self.model.train()
         tokens = int(count.item()) * self.dims.dp

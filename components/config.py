@@ -152,6 +152,9 @@ class Parallelism:
     )
     tensor_parallel_degree: int = _opt(1, "tensor-parallel ranks", _ge(1))
     disable_loss_parallel: bool = _opt(False, "gather logits before the loss under tensor parallel")
+    enable_async_tensor_parallel: bool = _opt(
+        False, "overlap TP communication with compute (CUDA + compile only)"
+    )
     pipeline_parallel_degree: int = _opt(1, "pipeline stages", _ge(1))
     context_parallel_degree: int = _opt(1, "ranks a sequence is split over", _ge(1))
     expert_parallel_degree: int = _opt(1, "ranks an MoE layer's experts are split over", _ge(1))

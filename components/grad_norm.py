@@ -12,9 +12,11 @@ from torch.distributed.tensor import DTensor
 
 
 def _group_by_mesh(grads: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
+    """Gradients grouped by (mesh, placements): within a group per-tensor norms stack cleanly."""
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
-        groups[g.device_mesh if isinstance(g, DTensor) else None].append(g)
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups[key].append(g)
     return groups
 
 

@@ -75,9 +75,15 @@ class ParallelDims:
     def hsdp_enabled(self) -> bool:
         return self.dp_replicate > 1 and self.fsdp_enabled
 
-    def check_model(self, *, n_heads: int, n_kv_heads: int, n_layers: int, seq_len: int) -> None:
+    def check_model(self, *, n_heads: int, n_kv_heads: int, n_layers: int, seq_len: int,
+                    vocab_size: int | None = None) -> None:
         """Reject degrees that cannot split this model; messages name the numbers."""
         if self.tp > 1:
+            if vocab_size is not None and vocab_size % self.tp != 0:
+                raise KilnError(
+                    f"tensor_parallel_degree {self.tp} must divide the vocabulary size {vocab_size} "
+                    f"(the embedding and output head are split over it)"
+                )
             if n_heads % self.tp != 0:
                 raise KilnError(
                     f"tensor_parallel_degree {self.tp} must divide the model's {n_heads} attention heads"

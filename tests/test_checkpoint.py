@@ -88,7 +88,9 @@ def test_exact_resume_fsdp2(tmp_path, data_cache):
     (1, []),  # FSDP 4 → one process
     (2, ["--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2",
          "--parallelism.data_parallel_shard_degree", "1"]),  # FSDP 4 → DDP 2
-], ids=["to_fsdp2", "to_single", "to_ddp2"])
+    (2, ["--parallelism.tensor_parallel_degree", "2"]),  # FSDP 4 → TP 2
+    (4, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]),  # → FSDP 2 × TP 2
+], ids=["to_fsdp2", "to_single", "to_ddp2", "to_tp2", "to_fsdp2_tp2"])
 def test_resume_in_another_layout(fsdp4, nproc, extra, tmp_path, data_cache):
     resume_from(fsdp4, 10, tmp_path)
     check_ok(run_train(args_for(tmp_path, data_cache, *extra), nproc=nproc))

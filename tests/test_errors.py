@@ -72,3 +72,18 @@ def test_degrees_not_matching_world_under_torchrun(tmp_path):
     assert proc.returncode != 0
     ours = [line for line in proc.stderr.splitlines() if line.startswith("kiln: error:")]
     assert len(ours) == 1 and "world size is 2" in ours[0], proc.stderr
+
+
+def test_async_tp_needs_cuda(tmp_path):
+    proc = run_train([*TINY, "--job.dump_folder", str(tmp_path), "--parallelism.tensor_parallel_degree", "2",
+                      "--parallelism.enable_async_tensor_parallel"], nproc=2)
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("kiln: error:")]
+    assert proc.returncode != 0 and len(ours) == 1 and "CUDA" in ours[0], proc.stderr
+
+
+def test_tp_with_ddp_is_refused(tmp_path):
+    proc = run_train([*TINY, "--job.dump_folder", str(tmp_path), "--parallelism.tensor_parallel_degree", "2",
+                      "--parallelism.data_parallel_replicate_degree", "2",
+                      "--parallelism.data_parallel_shard_degree", "1"], nproc=4)
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("kiln: error:")]
+    assert proc.returncode != 0 and len(ours) == 1 and "DDP" in ours[0], proc.stderr

@@ -20,7 +20,9 @@ def single(tmp_path_factory, data_cache):
     (4, ["--parallelism.data_parallel_replicate_degree", "2"]),  # HSDP 2×2
     (2, ["--parallelism.data_parallel_replicate_degree", "2",
          "--parallelism.data_parallel_shard_degree", "1"]),  # DDP 2
-], ids=["fsdp2", "hsdp2x2", "ddp2"])
+    (2, ["--parallelism.tensor_parallel_degree", "2"]),  # TP 2
+    (4, ["--parallelism.tensor_parallel_degree", "2"]),  # FSDP 2 × TP 2
+], ids=["fsdp2", "hsdp2x2", "ddp2", "tp2", "fsdp2_tp2"])
 def test_initial_weights_do_not_depend_on_layout(single, nproc, args, tmp_path, data_cache):
     out = tmp_path / "w.pt"
     check_ok(run_train([str(out), *TINY, *args, "--job.dump_folder", str(tmp_path),

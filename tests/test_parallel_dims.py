@@ -98,3 +98,9 @@ def test_single_process_builds_no_mesh() -> None:
     assert d.dp_shard == 1
     assert d.build_mesh("cpu") is None
     assert d.world_mesh is None and d.mesh("dp") is None and d.fsdp_mesh() is None
+
+
+def test_tp_must_divide_vocab() -> None:
+    with pytest.raises(KilnError, match="vocabulary size 1001"):
+        dims(2, tp=2).check_model(n_heads=4, n_kv_heads=2, n_layers=2, seq_len=64, vocab_size=1001)
+    dims(2, tp=2).check_model(n_heads=4, n_kv_heads=2, n_layers=2, seq_len=64, vocab_size=1000)

@@ -22,6 +22,16 @@ LAYOUTS = {
     "ddp2_accum": (2, ["--training.local_batch_size", "2",
                        "--parallelism.data_parallel_replicate_degree", "2",
                        "--parallelism.data_parallel_shard_degree", "1"]),
+    # Tensor parallel (sequence + loss parallel), alone and composed.
+    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
+    "tp2_no_loss_parallel": (2, ["--parallelism.tensor_parallel_degree", "2",
+                                 "--parallelism.disable_loss_parallel"]),
+    "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]),
+    "tp2_ac_full": (2, ["--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full"]),
+    "tp2_ac_selective": (2, ["--parallelism.tensor_parallel_degree", "2",
+                             "--activation_checkpoint.mode", "selective",
+                             "--activation_checkpoint.selective_ac_option", "op"]),
+    "fsdp2_compile": (2, ["--training.local_batch_size", "4", "--compile.enable"]),
 }
 
 

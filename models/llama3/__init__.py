@@ -4,6 +4,7 @@ from models import ModelSpec, register_model_spec
 from models.llama3.flavors import LLAMA3_FLAVORS
 from models.llama3.model import Transformer, llama_flops_per_token
 from models.llama3.parallelize import parallelize_llama
+from models.llama3.state_dict_adapter import LlamaStateDictAdapter
 
 register_model_spec(
     ModelSpec(
@@ -12,5 +13,6 @@ register_model_spec(
         model_cls=Transformer,
         parallelize_fn=parallelize_llama,
         flops_per_token_fn=llama_flops_per_token,
+        state_dict_adapter=LlamaStateDictAdapter,
     )
 )

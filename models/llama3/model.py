@@ -87,8 +87,9 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [batch, seq] (or hidden states on a later pipeline stage) → logits [batch, seq, vocab]."""
+        # Positions come from the input's full length: under sequence parallel h holds a slice.
+        rope = self.rope_cache[: tokens.shape[1]]
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = self.rope_cache[: h.shape[1]]
         for layer in self.layers.values():
             h = layer(h, rope)
         h = self.norm(h) if self.norm is not None else h

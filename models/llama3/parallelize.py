@@ -1,6 +1,14 @@
 """Apply Kiln's parallelisms to a Llama model, in the fixed order TP → AC → compile → FSDP/HSDP or DDP."""
 
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from components.config import JobConfig
 from components.errors import KilnError
@@ -8,15 +16,65 @@ from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.compile import apply_compile
 from parallelisms.fsdp import apply_ddp, apply_fsdp, mixed_precision
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.tensor_parallel import apply_tp, enable_async_tp
+
+
+def llama_tp_plan(loss_parallel: bool) -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]:
+    """The tensor-parallel plan: (top-level modules, every transformer block).
+
+    Between blocks activations are sharded along the sequence (sequence parallel: norms run on
+    a slice of the tokens); attention and feed-forward gather the sequence, split heads / hidden
+    units column-wise, and reduce-scatter back to sequence shards row-wise.
+    """
+    top = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            # Loss parallel keeps the logits sharded over the vocabulary into the cross-entropy.
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    block = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                        desired_input_layouts=(Replicate(), None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    return top, block
 
 
 def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: JobConfig, param_dtype: str) -> nn.Module:
     """Turn the plain (meta-device) model into this rank's part of the parallel model, in place."""
-    for name, degree in (("tensor", dims.tp), ("pipeline", dims.pp), ("context", dims.cp),
-                         ("expert", dims.ep)):
+    for name, degree in (("pipeline", dims.pp), ("context", dims.cp), ("expert", dims.ep)):
         if degree > 1:
             raise KilnError(f"{name} parallelism is not available in this version of Kiln yet "
                             f"(parallelism.{name}_parallel_degree = {degree})")
+    if dims.tp > 1:
+        if dims.ddp_enabled:
+            raise KilnError("DDP cannot be combined with tensor parallel; use FSDP or HSDP "
+                            "(data_parallel_shard_degree > 1) with TP")
+        if model.args.tie_embeddings:
+            raise KilnError("tensor parallel does not support tied embeddings (the embedding is "
+                            "split by rows, the output head by columns)")
+        top, block = llama_tp_plan(loss_parallel=not cfg.parallelism.disable_loss_parallel)
+        apply_tp(model, dims.mesh("tp"), top, block)
+        if cfg.parallelism.enable_async_tensor_parallel:
+            try:
+                enable_async_tp(dims.mesh("tp"), dims.world_mesh.device_type, cfg.compile.enable)
+            except ValueError as e:
+                raise KilnError(str(e)) from None
+    elif cfg.parallelism.enable_async_tensor_parallel:
+        raise KilnError("parallelism.enable_async_tensor_parallel needs tensor_parallel_degree > 1")
     apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable:
         apply_compile(model)

@@ -1,0 +1,132 @@
+"""Converts a Kiln DCP checkpoint to a Hugging Face folder, and a Hugging Face folder to a Kiln one.
+
+Usage (from the repository root):
+    python scripts/convert_hf.py to-hf --config llama_debug \\
+        --checkpoint outputs/llama_debug/checkpoint/step-100 --out hf/llama_debug [--dtype bfloat16]
+    python scripts/convert_hf.py from-hf --config llama_debug --hf hf/llama_debug --out seed/step-0
+    python train.py --config llama_debug --checkpoint.initial_load_path seed/step-0
+
+The model shape comes from the config; any --section.key after the options overrides it
+(e.g. --model.flavor tiny). Runs as one process on CPU; the model must fit in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+# Run as a file, Python puts scripts/ on the path, not the repository root that holds components/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch import nn  # noqa: E402
+
+from components.checkpoint import EXPORT_DTYPES, check_model_matches, checkpoint_shapes  # noqa: E402
+from components.checkpoint_states import ModelState, SafeLoadPlanner  # noqa: E402
+from components.config import REPO_ROOT, JobConfig, load_config  # noqa: E402
+from components.errors import KilnError  # noqa: E402
+from components.hf_io import kiln_state_from_hf, save_hf_folder  # noqa: E402
+from components.tokenizer import Tokenizer  # noqa: E402
+from models import UnknownModelError, get_model_args, get_model_spec  # noqa: E402
+
+# One process, no process group, is what we mean: DCP's warning about it is noise here.
+warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+
+
+def resolve(path: str) -> Path:
+    """A relative path is looked up in the working directory first, then in the repository."""
+    p = Path(path)
+    return p if p.is_absolute() or p.exists() else REPO_ROOT / p
+
+
+def build_model(cfg: JobConfig) -> tuple[nn.Module, Any]:
+    """The plain model of the config on CPU, and its flavor's Hugging Face adapter."""
+    if cfg.job.custom_import:
+        importlib.import_module(cfg.job.custom_import)
+    spec = get_model_spec(cfg.model.name)
+    if spec.state_dict_adapter is None:
+        raise KilnError(f"model {spec.name!r} has no Hugging Face state-dict adapter")
+    args = get_model_args(spec, cfg.model.flavor)
+    with torch.device("meta"):  # skip the constructor's random init: every weight is loaded after
+        model = spec.model_cls(args)
+    model.to_empty(device="cpu")
+    model.init_weights()  # re-ties shared weights and fills the non-persistent buffers
+    return model, spec.state_dict_adapter(args)
+
+
+def fresh_folder(out: Path) -> Path:
+    """A sibling out.tmp to write into and rename (which replaces an empty out), refusing a non-empty out."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise KilnError(f"--out {out} already exists and is not empty; choose a new folder")
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)  # the remains of an interrupted conversion
+    return tmp
+
+
+def to_hf(cfg: JobConfig, checkpoint: Path, out: Path, dtype: torch.dtype) -> None:
+    """DCP step folder → HF folder: load the model part, rename, re-permute, write safetensors."""
+    if not (checkpoint / ".metadata").is_file():
+        raise KilnError(f"{checkpoint} is not a complete DCP checkpoint (no .metadata)")
+    tmp = fresh_folder(out)
+    tokenizer = Tokenizer(resolve(cfg.model.tokenizer_path))
+    model, adapter = build_model(cfg)
+    state = ModelState([model])
+    check_model_matches(state.state_dict(), checkpoint_shapes(checkpoint), checkpoint)
+    try:
+        dcp.load({"model": state}, checkpoint_id=str(checkpoint), planner=SafeLoadPlanner())
+    except Exception as e:  # a damaged file: name the folder rather than show DCP's internals
+        raise KilnError(f"cannot load checkpoint {checkpoint}: {type(e).__name__}: {e}") from None
+    save_hf_folder(tmp, adapter.to_hf(model.state_dict()),
+                   adapter.hf_config(tokenizer.bos_id, tokenizer.eos_id), tokenizer.path, dtype)
+    tmp.rename(out)
+
+
+def from_hf(cfg: JobConfig, hf: Path, out: Path) -> None:
+    """HF folder → model-only DCP step folder that train.py resumes from or starts from."""
+    tmp = fresh_folder(out)
+    model, adapter = build_model(cfg)
+    kiln = kiln_state_from_hf(hf, adapter)
+    check_model_matches(model.state_dict(), {f"model.{k}": tuple(v.shape) for k, v in kiln.items()}, hf)
+    model.load_state_dict(kiln, strict=True)
+    dcp.save({"model": ModelState([model])}, checkpoint_id=str(tmp))
+    tmp.rename(out)  # published only once complete, like the trainer's own checkpoints
+
+
+def main(argv: list[str]) -> int:
+    """Parse, convert, and turn bad input into one line on stderr with exit code 2."""
+    parser = argparse.ArgumentParser(prog="convert_hf", description=__doc__.splitlines()[0],
+                                     allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True)
+    # No abbreviations: every unknown --section.key must reach the config parser whole.
+    out_hf = sub.add_parser("to-hf", help="Kiln DCP step folder → Hugging Face folder", allow_abbrev=False)
+    out_hf.add_argument("--checkpoint", required=True, help="a step-N folder")
+    out_hf.add_argument("--dtype", default="float32", choices=list(EXPORT_DTYPES))
+    in_hf = sub.add_parser("from-hf", help="Hugging Face folder → Kiln model-only DCP step folder",
+                           allow_abbrev=False)
+    in_hf.add_argument("--hf", required=True, help="folder with config.json and *.safetensors")
+    for p in (out_hf, in_hf):
+        p.add_argument("--config", required=True, help="Kiln TOML (or a name in train_configs/)")
+        p.add_argument("--out", required=True, help="folder to create")
+    opts, overrides = parser.parse_known_args(argv)
+    try:
+        cfg = load_config(["--config", opts.config, *overrides])
+        if opts.command == "to-hf":
+            to_hf(cfg, Path(opts.checkpoint), Path(opts.out), EXPORT_DTYPES[opts.dtype])
+        else:
+            from_hf(cfg, Path(opts.hf), Path(opts.out))
+    except (KilnError, UnknownModelError, OSError) as e:
+        print(f"convert_hf: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {opts.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
