@@ -182,8 +182,9 @@ class Trainer:
         else:
             mode = "no data parallelism"
         if d.tp > 1:
-            mode = f"TP {d.tp} (sequence parallel, loss parallel {'on' if self.use_loss_parallel else 'off'})" + (
-                f" × {mode}" if d.dp > 1 else "")
+            loss_par = "on" if self.use_loss_parallel else "off"
+            tp = f"TP {d.tp} (sequence parallel, loss parallel {loss_par})"
+            mode = f"{tp} × {mode}" if d.dp > 1 else tp
         tokens = self.global_batch * t.seq_len
         backend = dist.get_backend() if dist.is_initialized() else "none"
         lines = [

@@ -47,6 +47,28 @@ def plain_tps(threads: int, steps: int, warmup: int, cache: Path) -> float:
     return json.loads(out.strip().splitlines()[-1])["tps"]
 
 
+def parallel_table(a: argparse.Namespace, cache: Path) -> None:
+    """Tokens/s (all processes) of the parallel layouts, plain, with full AC and with compile."""
+    layouts = {
+        "FSDP 2": (2, ["--training.local_batch_size", "4"]),
+        "TP 2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
+        "FSDP 2 × TP 2": (4, ["--parallelism.tensor_parallel_degree", "2",
+                              "--training.local_batch_size", "4"]),
+    }
+    options = {"plain": [], "AC full": ["--activation_checkpoint.mode", "full"],
+               "compile": ["--compile.enable"]}
+    print(f"\n| {'layout (1 thread per process)':<32} | " + " | ".join(f"{o:>9}" for o in options) + " |")
+    print(f"|{'-' * 34}|" + "|".join("-" * 11 for _ in options) + "|")
+    for name, (nproc, extra) in layouts.items():
+        cells = []
+        for opt in options.values():
+            runs = [kiln_tps(nproc, 1, a.steps, a.warmup, cache, [*extra, *opt,
+                                                               "--training.global_batch_size", "8"])
+                    for _ in range(a.repeats)]
+            cells.append(f"{statistics.median(runs):>9,.0f}")
+        print(f"| {name:<32} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=30)
@@ -54,6 +76,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="threads of a single-process run (FSDP runs use threads / nproc each)")
+    ap.add_argument("--parallel", action="store_true",
+                    help="also the table of FSDP 2 / TP 2 / FSDP 2 × TP 2, plain, with AC and with compile")
     a = ap.parse_args()
     cache = Path(tempfile.mkdtemp(prefix="kiln-bench-"))
     kiln_tps(1, 1, 2, 1, cache, [])  # tokenize the corpus once, outside the timings
@@ -81,6 +105,8 @@ def main() -> None:
     for name in names:
         print(f"| {name:<44} | {median[name]:>9,.0f} | {median[name] / base:>13.3f} |")
     one = median["Kiln, 1 process × 1 thread"]
+    if a.parallel:
+        parallel_table(a, cache)
     fsdp = median["Kiln FSDP2, 2 processes × 1 thread"]
     print(f"\nKiln overhead: Kiln / plain = {median[names[1]] / base:.3f}; "
           f"FSDP2 (2 × 1 thread) / 1 process × 1 thread = {fsdp / one:.2f}")
