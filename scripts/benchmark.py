@@ -1,6 +1,6 @@
-"""Throughput table: Kiln's single-process step vs a plain PyTorch loop, and FSDP 2 vs 1 process.
+"""Benchmark tables: Kiln's overhead over a plain PyTorch loop, parallel layouts, AC memory.
 
-    python scripts/benchmark.py [--steps 30] [--repeats 3]
+    python scripts/benchmark.py [--steps 30] [--repeats 3] [--tables overhead,parallel,memory]
 
 Every run trains the debug model (seq 256, global batch 8) on the embedded corpus in its own
 process; runs alternate (A B A B ...) so drift on a shared machine hits both sides alike, and the
@@ -69,6 +69,25 @@ def parallel_table(a: argparse.Namespace, cache: Path) -> None:
         print(f"| {name:<32} | " + " | ".join(cells) + " |")
 
 
+def memory_table(cache: Path) -> None:
+    """Peak memory (RSS on CPU) of one process, debug model at seq 1024, with each AC mode."""
+    modes = {"none": [], "selective (every 2nd block)": ["--activation_checkpoint.mode", "selective"],
+             "selective (per op)": ["--activation_checkpoint.mode", "selective",
+                                    "--activation_checkpoint.selective_ac_option", "op"],
+             "full": ["--activation_checkpoint.mode", "full"]}
+    print(f"\n| {'activation checkpointing':<28} | {'peak memory':>11} | {'tokens/s':>9} |")
+    print(f"|{'-' * 30}|{'-' * 13}|{'-' * 11}|")
+    for name, extra in modes.items():
+        with tempfile.TemporaryDirectory() as dump:
+            args = ["--config", "llama_debug", "--training.seq_len", "1024",
+                    "--training.local_batch_size", "8", "--training.steps", "3", "--metrics.log_freq", "1",
+                    "--job.dump_folder", dump,
+                    "--training.data_cache_dir", str(cache), *extra]
+            subprocess.run([sys.executable, "train.py", *args], cwd=REPO, check=True, capture_output=True)
+            rows = [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
+        print(f"| {name:<28} | {rows[-1]['mem_gib']:>7.2f} GiB | {rows[-1]['tps']:>9,.0f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=30)
@@ -76,11 +95,23 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="threads of a single-process run (FSDP runs use threads / nproc each)")
-    ap.add_argument("--parallel", action="store_true",
-                    help="also the table of FSDP 2 / TP 2 / FSDP 2 × TP 2, plain, with AC and with compile")
+    ap.add_argument("--tables", default="overhead",
+                    help="comma-separated: overhead (Kiln vs plain loop, FSDP 2 vs 1), parallel "
+                         "(FSDP/TP layouts × AC/compile), memory (peak memory per AC mode)")
     a = ap.parse_args()
+    tables = set(a.tables.split(","))
     cache = Path(tempfile.mkdtemp(prefix="kiln-bench-"))
     kiln_tps(1, 1, 2, 1, cache, [])  # tokenize the corpus once, outside the timings
+    if "overhead" in tables:
+        overhead_table(a, cache)
+    if "parallel" in tables:
+        parallel_table(a, cache)
+    if "memory" in tables:
+        memory_table(cache)
+
+
+def overhead_table(a: argparse.Namespace, cache: Path) -> None:
+    """Kiln's single-process step against the plain loop, and FSDP 2 against one process."""
     runs = {
         f"plain PyTorch loop, 1 process × {a.threads} threads":
             lambda: plain_tps(a.threads, a.steps, a.warmup, cache),
@@ -105,8 +136,6 @@ def main() -> None:
     for name in names:
         print(f"| {name:<44} | {median[name]:>9,.0f} | {median[name] / base:>13.3f} |")
     one = median["Kiln, 1 process × 1 thread"]
-    if a.parallel:
-        parallel_table(a, cache)
     fsdp = median["Kiln FSDP2, 2 processes × 1 thread"]
     print(f"\nKiln overhead: Kiln / plain = {median[names[1]] / base:.3f}; "
           f"FSDP2 (2 × 1 thread) / 1 process × 1 thread = {fsdp / one:.2f}")
