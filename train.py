@@ -127,6 +127,9 @@ class Trainer:
 
         # Under TP the logits stay sharded over the vocabulary into the loss, unless disabled.
         self.use_loss_parallel = self.dims.tp > 1 and not cfg.parallelism.disable_loss_parallel
+        # The loss is compiled with the blocks, except on vocabulary-sharded DTensor logits.
+        self.loss_fn = (torch.compile(cross_entropy_sum) if cfg.compile.enable and not self.use_loss_parallel
+                        else cross_entropy_sum)
 
         o, s = cfg.optimizer, cfg.lr_scheduler
         self.optimizer = build_optimizer(self.model, o.name, o.lr, (o.beta1, o.beta2), o.eps,
@@ -226,7 +229,7 @@ class Trainer:
             with loss_context(self.use_loss_parallel):
                 with self.autocast:
                     logits = self.model(inputs)
-                loss = cross_entropy_sum(logits, labels)
+                loss = self.loss_fn(logits, labels)
                 (loss * scale).backward()
             loss_sum += local_value(loss.detach())
         grad_norm = clip_grad_norm(list(self.model.parameters()), self.cfg.training.max_norm)
@@ -256,7 +259,7 @@ class Trainer:
                                                  self.dims.dp, v.steps):
             inputs, labels = inputs.to(self.info.device), labels.to(self.info.device)
             with loss_context(self.use_loss_parallel), self.autocast:
-                total += local_value(cross_entropy_sum(self.model(inputs), labels)).double()
+                total += local_value(self.loss_fn(self.model(inputs), labels)).double()
             count += (labels != IGNORE_INDEX).sum()
         self.model.train()
         tokens = int(count.item()) * self.dims.dp

@@ -1,5 +1,7 @@
 """Activation checkpointing and torch.compile change memory and speed, never the numbers."""
 
+import shutil
+
 import pytest
 from conftest import TINY, check_ok, run_train, train_rows
 
@@ -33,3 +35,17 @@ def test_ac_under_fsdp(plain, tmp_path, data_cache):
                        nproc=2))
     for ref, got in zip(plain, train_rows(tmp_path), strict=True):
         assert abs(got["loss"] - ref["loss"]) <= 1e-5 * ref["loss"]
+
+
+def test_compiled_checkpoint_loads_uncompiled(plain, tmp_path, data_cache):
+    """compile keeps parameter names, so its checkpoints resume without it (and the numbers agree)."""
+    ckpt = ["--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2",
+            "--job.dump_folder", str(tmp_path), "--training.data_cache_dir", str(data_cache)]
+    check_ok(run_train([*TINY, *ckpt, "--compile.enable"], timeout=600))
+    shutil.rmtree(tmp_path / "checkpoint" / "step-4")  # resume from step 2, uncompiled
+    proc = run_train([*TINY, *ckpt])
+    check_ok(proc)
+    assert "step-2" in proc.stdout
+    rows = {r["step"]: r["loss"] for r in train_rows(tmp_path)}  # the resumed run's rows win
+    for ref in plain[2:]:
+        assert abs(rows[ref["step"]] - ref["loss"]) <= 1e-5 * ref["loss"]
