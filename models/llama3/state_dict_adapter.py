@@ -75,11 +75,13 @@ class LlamaStateDictAdapter:
 
     def _permute(self, name: str, w: Tensor, fn: Callable[[Tensor, int], Tensor]) -> Tensor:
         """Re-orders q/k projection rows with fn; every other tensor passes through."""
-        if name.endswith("attention.wq.weight"):
-            return fn(w, self.args.n_heads)
-        if name.endswith("attention.wk.weight"):
-            return fn(w, self.args.kv_heads)
-        return w
+        heads = {"attention.wq.weight": self.args.n_heads, "attention.wk.weight": self.args.kv_heads}
+        n = next((h for suffix, h in heads.items() if name.endswith(suffix)), None)
+        if n is None:
+            return w
+        if w.dim() != 2 or w.shape[0] != n * self.args.head_dim:  # else the reshape fails obscurely
+            raise KilnError(f"{name} has shape {list(w.shape)}, not {n} heads of {self.args.head_dim} rows")
+        return fn(w, n)
 
     def to_hf(self, sd: dict[str, Tensor]) -> dict[str, Tensor]:
         """Kiln names and interleaved RoPE rows → HF names and rotate-half rows."""
