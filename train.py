@@ -46,6 +46,7 @@ from models import UnknownModelError, get_model_args, get_model_spec
 from parallelisms.fsdp import set_gradient_sync
 from parallelisms.materialize import materialize_and_init
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.pipeline import PipelineRunner, build_stages, split_layers, stage_ids
 from parallelisms.tensor_parallel import local_value, loss_context
 
 
@@ -108,16 +109,18 @@ class Trainer:
         self.loader = BatchLoader(self.train_windows, self.global_batch, t.local_batch_size,
                                   self.dp_rank, dp, t.seed)
 
-        # Model: built on the meta device, parallelized, then materialised with layout-free init.
+        # Model: built on the meta device, split into pipeline stages, parallelized, materialised.
         with torch.device("meta"):
-            self.model = self.spec.model_cls(args)
-        self.num_params = sum(p.numel() for p in self.model.parameters())
+            whole = self.spec.model_cls(args)
+        self.num_params = sum(p.numel() for p in whole.parameters())
         self.flops_per_token = self.spec.flops_per_token_fn(args, self.num_params, t.seq_len)
         mp = t.mixed_precision_param
         self.param_dtype = mp if mp != "auto" else ("bfloat16" if info.device.type == "cuda" else "float32")
-        self.spec.parallelize_fn(self.model, self.dims, cfg, self.param_dtype)
-        materialize_and_init(self.model, lambda: self.spec.model_cls(args), t.seed, info.device)
-        self.model.train()
+        self.model_parts, self.stage_ids, self.num_stages = self._split(whole)
+        for part in self.model_parts:
+            self.spec.parallelize_fn(part, self.dims, cfg, self.param_dtype)
+            materialize_and_init(part, lambda: self.spec.model_cls(args), t.seed, info.device)
+            part.train()
         # Without FSDP (which casts parameters itself), bf16 compute comes from autocast.
         self.autocast = (
             torch.autocast(info.device.type, dtype=torch.bfloat16)
@@ -131,25 +134,29 @@ class Trainer:
         self.loss_fn = (torch.compile(cross_entropy_sum) if cfg.compile.enable and not self.use_loss_parallel
                         else cross_entropy_sum)
 
+        self.pipeline = self._pipeline() if self.dims.pp > 1 else None
+
+        # One optimizer and LR schedule per model part (pipeline stages keep separate state dicts).
         o, s = cfg.optimizer, cfg.lr_scheduler
-        self.optimizer = build_optimizer(self.model, o.name, o.lr, (o.beta1, o.beta2), o.eps,
-                                         o.weight_decay, o.implementation)
-        self.scheduler = build_lr_scheduler(
-            self.optimizer, warmup_steps=s.warmup_steps, total_steps=t.steps,
-            decay_ratio=s.decay_ratio, decay_type=s.decay_type, min_lr_factor=s.min_lr_factor)
+        self.optimizers = [build_optimizer(part, o.name, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay,
+                                           o.implementation) for part in self.model_parts]
+        self.schedulers = [build_lr_scheduler(
+            opt, warmup_steps=s.warmup_steps, total_steps=t.steps, decay_ratio=s.decay_ratio,
+            decay_type=s.decay_type, min_lr_factor=s.min_lr_factor) for opt in self.optimizers]
         self.state = TrainState()
         c = cfg.checkpoint
         self.checkpoint = CheckpointManager(
             self.dump / c.folder,
-            {"model": ModelState([self.model]),
-             "optimizer": OptimizerState([self.model], [self.optimizer]),
-             "lr_scheduler": SchedulerState([self.scheduler]),
+            {"model": ModelState(self.model_parts),
+             "optimizer": OptimizerState(self.model_parts, self.optimizers),
+             "lr_scheduler": SchedulerState(self.schedulers),
              "dataloader": DataLoaderState(self.loader),
              "train_state": self.state},
             enable=c.enable or c.create_seed_checkpoint, interval=c.interval,
             keep_latest_k=c.keep_latest_k, load_step=c.load_step, async_mode=c.async_mode,
             last_save_model_only=c.last_save_model_only, export_dtype=c.export_dtype,
-            exclude_from_loading=c.exclude_from_loading, is_main=info.is_main)
+            exclude_from_loading=c.exclude_from_loading, is_main=info.is_main,
+            partial_model=self.dims.pp > 1)
         self.peak = peak_flops(info.device, cfg.metrics.peak_tflops)
         if info.is_main:
             self.dump.mkdir(parents=True, exist_ok=True)
@@ -158,6 +165,38 @@ class Trainer:
         self.metrics = MetricsLogger(self.dump, is_main=info.is_main, device=info.device,
                                      flops_per_token=self.flops_per_token, peak=self.peak,
                                      total_steps=t.steps, tensorboard_dir=tb)
+
+    def _split(self, whole: torch.nn.Module) -> tuple[list[torch.nn.Module], list[int], int]:
+        """This rank's model parts: the whole model, or its pipeline stages (layers by stage)."""
+        if self.dims.pp == 1:
+            return [whole], [0], 1
+        p = self.cfg.parallelism
+        try:
+            ids = stage_ids(self.dims.mesh("pp").get_local_rank(), self.dims.pp, p.pipeline_parallel_schedule)
+            num_stages = self.dims.pp * len(ids)
+            layers = split_layers(self.model_args.n_layers, num_stages, p.pipeline_parallel_layers_per_stage)
+        except ValueError as e:
+            raise KilnError(str(e)) from None
+        parts = [self.spec.pipeline_fn(whole, layers[i], i == 0, i == num_stages - 1) for i in ids]
+        return parts, ids, num_stages
+
+    def _pipeline(self) -> PipelineRunner:
+        """The schedule over this rank's stages; a step's rows per rank split into microbatches."""
+        p, t = self.cfg.parallelism, self.cfg.training
+        rows = self.global_batch // self.dims.dp
+        size = p.pipeline_parallel_microbatch_size
+        if rows % size != 0:
+            raise KilnError(f"the rows per rank and step ({rows} = global_batch_size / dp) are not divisible "
+                            f"by parallelism.pipeline_parallel_microbatch_size {size}")
+        n_microbatches = rows // size
+        if p.pipeline_parallel_schedule != "GPipe" and n_microbatches < self.dims.pp:
+            raise KilnError(f"schedule {p.pipeline_parallel_schedule} needs at least as many microbatches "
+                            f"as pipeline ranks ({self.dims.pp}); a step gives {n_microbatches} "
+                            f"({rows} rows / microbatch size {size})")
+        stages = build_stages(self.model_parts, self.stage_ids, self.num_stages, self.info.device,
+                              self.dims.mesh("pp"))
+        return PipelineRunner(p.pipeline_parallel_schedule, stages, n_microbatches, self.loss_fn,
+                              self.num_stages)
 
     def _prepare_token_files(self, cache: Path) -> dict[str, Path]:
         """Local rank 0 of each node tokenizes what is missing; the others wait, then read."""
@@ -188,6 +227,11 @@ class Trainer:
             loss_par = "on" if self.use_loss_parallel else "off"
             tp = f"TP {d.tp} (sequence parallel, loss parallel {loss_par})"
             mode = f"{tp} × {mode}" if d.dp > 1 else tp
+        if d.pp > 1:
+            p = self.cfg.parallelism
+            pp = (f"PP {d.pp} ({p.pipeline_parallel_schedule}, {self.num_stages} stages, "
+                  f"{self.pipeline.schedule._n_microbatches} microbatches)")
+            mode = pp if mode in ("no data parallelism", "single process") else f"{pp} × {mode}"
         tokens = self.global_batch * t.seq_len
         backend = dist.get_backend() if dist.is_initialized() else "none"
         lines = [
@@ -222,20 +266,33 @@ class Trainer:
         if self.dp_group is not None:
             dist.all_reduce(global_tokens, group=self.dp_group)
         scale = self.dims.dp / global_tokens.item()
-        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-        for i, (inputs, labels) in enumerate(microbatches):
-            set_gradient_sync(self.model, i == len(microbatches) - 1)
-            inputs, labels = inputs.to(device), labels.to(device)
+        if self.pipeline is not None:
+            inputs = torch.cat([x for x, _ in microbatches]).to(device)
+            labels = torch.cat([y for _, y in microbatches]).to(device)
             with loss_context(self.use_loss_parallel):
-                with self.autocast:
-                    logits = self.model(inputs)
-                loss = self.loss_fn(logits, labels)
-                (loss * scale).backward()
-            loss_sum += local_value(loss.detach())
-        grad_norm = clip_grad_norm(list(self.model.parameters()), self.cfg.training.max_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+                loss_sum = self.pipeline.run(inputs, labels, scale)
+        else:
+            loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+            model = self.model_parts[0]
+            for i, (inputs, labels) in enumerate(microbatches):
+                set_gradient_sync(model, i == len(microbatches) - 1)
+                inputs, labels = inputs.to(device), labels.to(device)
+                with loss_context(self.use_loss_parallel):
+                    with self.autocast:
+                        logits = model(inputs)
+                    loss = self.loss_fn(logits, labels)
+                    (loss * scale).backward()
+                loss_sum += local_value(loss.detach())
+        params = [p for part in self.model_parts for p in part.parameters()]
+        pp_mesh = self.dims.mesh("pp")
+        grad_norm = clip_grad_norm(params, self.cfg.training.max_norm,
+                                   pp_mesh.get_group() if pp_mesh is not None else None)
+        for opt in self.optimizers:
+            opt.step()
+        for sched in self.schedulers:
+            sched.step()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
         return loss_sum, local_tokens, grad_norm
 
     def global_mean(self, total: torch.Tensor, count: torch.Tensor) -> float:
@@ -243,7 +300,11 @@ class Trainer:
         both = torch.stack([total.double(), count.double()])
         if self.dp_group is not None:
             dist.all_reduce(both, group=self.dp_group)
-        return (both[0] / both[1]).item()
+        mean = both[0] / both[1]
+        if self.pipeline is not None:  # only the last stage has the loss: share it along the pipeline
+            mean = mean if self.pipeline.has_last else torch.zeros_like(mean)
+            dist.all_reduce(mean, group=self.dims.mesh("pp").get_group())
+        return mean.item()
 
     @torch.no_grad()
     def validate(self) -> None:
@@ -252,16 +313,22 @@ class Trainer:
             raise KilnError("validation.enable is set but the dataset has no validation split")
         v, t = self.cfg.validation, self.cfg.training
         windows = TokenWindows(self.token_files["val"], t.seq_len, self.model_args.vocab_size)
-        self.model.eval()
+        for part in self.model_parts:
+            part.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.info.device)
         count = torch.zeros((), dtype=torch.float64, device=self.info.device)
-        for inputs, labels in validation_batches(windows, t.local_batch_size, self.dp_rank,
-                                                 self.dims.dp, v.steps):
+        # A pipeline evaluates a whole step's rows at a time (its schedule's microbatch count).
+        rows = self.global_batch // self.dims.dp if self.pipeline is not None else t.local_batch_size
+        for inputs, labels in validation_batches(windows, rows, self.dp_rank, self.dims.dp, v.steps):
             inputs, labels = inputs.to(self.info.device), labels.to(self.info.device)
             with loss_context(self.use_loss_parallel), self.autocast:
-                total += local_value(self.loss_fn(self.model(inputs), labels)).double()
+                if self.pipeline is not None:
+                    total += self.pipeline.run(inputs, labels, 1.0, train=False).double()
+                else:
+                    total += local_value(self.loss_fn(self.model_parts[0](inputs), labels)).double()
             count += (labels != IGNORE_INDEX).sum()
-        self.model.train()
+        for part in self.model_parts:
+            part.train()
         tokens = int(count.item()) * self.dims.dp
         self.metrics.log_validation(self.state.step, self.global_mean(total, count), tokens)
 
@@ -290,9 +357,11 @@ class Trainer:
 
         adapter = self.spec.state_dict_adapter(self.model_args)
         full = kiln_state_from_hf(folder, adapter)
-        check_model_matches(ModelState([self.model]).state_dict(),
-                            {f"model.{k}": tuple(v.shape) for k, v in full.items()}, folder)
-        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
+        check_model_matches(ModelState(self.model_parts).state_dict(),
+                            {f"model.{k}": tuple(v.shape) for k, v in full.items()}, folder,
+                            partial=self.dims.pp > 1)
+        for part in self.model_parts:
+            set_model_state_dict(part, full, options=StateDictOptions(full_state_dict=True, strict=False))
         self.say(f"started from the Hugging Face weights in {folder}")
 
     def say(self, line: str) -> None:
@@ -320,7 +389,7 @@ class Trainer:
             while st.step < t.steps:
                 st.step += 1
                 self.loader.step = st.step
-                lr = self.scheduler.get_last_lr()[0]
+                lr = self.schedulers[0].get_last_lr()[0]
                 loss_sum, local_tokens, grad_norm = self.train_step(next(self.loader))
                 st.tokens_seen += tokens_per_step
                 self.metrics.count_tokens(tokens_per_step // self.info.world_size)

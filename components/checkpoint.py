@@ -55,8 +55,12 @@ def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if hasattr(v, "size")}
 
 
-def check_model_matches(model_state: dict[str, Any], stored: dict[str, tuple[int, ...]], path: Path) -> None:
-    """Refuse a checkpoint of another model shape, naming the first parameter that differs."""
+def check_model_matches(model_state: dict[str, Any], stored: dict[str, tuple[int, ...]], path: Path,
+                        partial: bool = False) -> None:
+    """Refuse a checkpoint of another model shape, naming the first parameter that differs.
+
+    partial: the model is one pipeline stage, so the checkpoint may hold parameters it lacks.
+    """
     for name, tensor in model_state.items():
         key = f"model.{name}"
         if key not in stored:
@@ -68,7 +72,7 @@ def check_model_matches(model_state: dict[str, Any], stored: dict[str, tuple[int
             )
     model_keys = {f"model.{n}" for n in model_state}
     extra = sorted(k for k in stored if k.startswith("model.") and k not in model_keys)
-    if extra:
+    if extra and not partial:
         raise KilnError(f"checkpoint {path} has parameter {extra[0][6:]!r} that the model lacks: "
                         f"it is of another model")
 
@@ -79,7 +83,7 @@ class CheckpointManager:
     def __init__(self, folder: Path, states: dict[str, Stateful], *, enable: bool, interval: int,
                  keep_latest_k: int = 0, load_step: int = -1, async_mode: str = "disabled",
                  last_save_model_only: bool = False, export_dtype: str = "float32",
-                 exclude_from_loading: str = "", is_main: bool = True) -> None:
+                 exclude_from_loading: str = "", is_main: bool = True, partial_model: bool = False) -> None:
         self.folder = Path(folder)
         self.states = states
         self.enable = enable
@@ -95,6 +99,7 @@ class CheckpointManager:
             raise KilnError(f"checkpoint.exclude_from_loading names unknown parts {sorted(unknown)}; "
                             f"parts: {', '.join(PARTS)}")
         self.is_main = is_main
+        self.partial_model = partial_model
         self._pending: tuple[Any, int, Path, Path] | None = None  # (future, step, tmp, final)
         self._pg = None
         self.last_save_seconds = {"blocked": 0.0}
@@ -134,7 +139,7 @@ class CheckpointManager:
         """Load the named parts that the checkpoint at `path` holds; returns the parts loaded."""
         stored = checkpoint_shapes(path)
         if "model" in parts:
-            check_model_matches(self.states["model"].state_dict(), stored, path)
+            check_model_matches(self.states["model"].state_dict(), stored, path, self.partial_model)
         present = {key.split(".", 1)[0] for key in stored} | {
             key.split(".", 1)[0] for key in self._non_tensor_keys(path)}
         loading = {p: self.states[p] for p in parts if p in present and p in self.states}

@@ -155,7 +155,17 @@ class Parallelism:
     enable_async_tensor_parallel: bool = _opt(
         False, "overlap TP communication with compute (CUDA + compile only)"
     )
-    pipeline_parallel_degree: int = _opt(1, "pipeline stages", _ge(1))
+    pipeline_parallel_degree: int = _opt(1, "ranks the layers are pipelined over", _ge(1))
+    pipeline_parallel_schedule: Literal[
+        "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+        "DualPipeV",
+    ] = _opt("1F1B", "pipeline schedule; the last five run two stages per rank")
+    pipeline_parallel_microbatch_size: int = _opt(
+        1, "sequences per pipeline microbatch; a step's rows per rank split into such microbatches", _ge(1)
+    )
+    pipeline_parallel_layers_per_stage: int = _opt(
+        -1, "layers per pipeline stage (the last stage takes the rest); -1 = split evenly", _ge(1, or_=-1)
+    )
     context_parallel_degree: int = _opt(1, "ranks a sequence is split over", _ge(1))
     expert_parallel_degree: int = _opt(1, "ranks an MoE layer's experts are split over", _ge(1))
 

@@ -8,6 +8,7 @@ its own norm, made whole with full_tensor(), and the groups are combined by hand
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
@@ -42,10 +43,18 @@ def total_grad_norm(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Scale gradients so their total norm is at most max_norm (max_norm <= 0: measure only)."""
+def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float,
+                   pipeline_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Scale gradients so their total norm is at most max_norm (max_norm <= 0: measure only).
+
+    With pipeline parallel each rank holds other layers: pipeline_group sums their squared norms.
+    """
     params = [p for p in parameters if p.grad is not None]
     total = total_grad_norm(params)
+    if pipeline_group is not None:
+        square = total.double() ** 2
+        dist.all_reduce(square, group=pipeline_group)
+        total = square.sqrt().float()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total

@@ -21,7 +21,8 @@ class ModelSpec:
     model_cls: Callable[[Any], nn.Module]  # model_cls(args) builds the plain model
     parallelize_fn: Callable[..., nn.Module]  # (model, parallel_dims, job_config) → model
     flops_per_token_fn: Callable[[Any, int, int], int]  # (args, num_params, seq_len) → FLOPs
-    pipeline_fn: Callable[..., Any] | None = None  # splits the model into pipeline stages
+    # (whole meta model, layer indices, is_first, is_last) → the stage's model; None = no PP.
+    pipeline_fn: Callable[..., nn.Module] | None = None
     state_dict_adapter: type | None = None  # converts to/from Hugging Face names
     notes: dict[str, str] = field(default_factory=dict)
 

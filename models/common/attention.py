@@ -28,6 +28,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        # The table covers max_seq_len; this attention sees the whole sequence (gathered under SP).
+        rope = rope[:seqlen]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bsz, heads, seq, head_dim]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])

@@ -5,6 +5,7 @@ from models.llama3.flavors import LLAMA3_FLAVORS
 from models.llama3.model import Transformer, llama_flops_per_token
 from models.llama3.parallelize import parallelize_llama
 from models.llama3.state_dict_adapter import LlamaStateDictAdapter
+from parallelisms.pipeline import make_stage_model
 
 register_model_spec(
     ModelSpec(
@@ -13,6 +14,7 @@ register_model_spec(
         model_cls=Transformer,
         parallelize_fn=parallelize_llama,
         flops_per_token_fn=llama_flops_per_token,
+        pipeline_fn=make_stage_model,
         state_dict_adapter=LlamaStateDictAdapter,
     )
 )

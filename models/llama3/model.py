@@ -86,12 +86,13 @@ class Transformer(nn.Module):
         return rope_cache(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [batch, seq] (or hidden states on a later pipeline stage) → logits [batch, seq, vocab]."""
-        # Positions come from the input's full length: under sequence parallel h holds a slice.
-        rope = self.rope_cache[: tokens.shape[1]]
+        """tokens [batch, seq] (hidden states on a later pipeline stage) → logits [batch, seq, vocab]
+        (hidden states on an earlier stage)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # Attention slices the table to its sequence length: under sequence parallel (and on a
+        # later pipeline stage) h holds only a slice of the sequence.
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, self.rope_cache)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -55,7 +55,7 @@ def llama_tp_plan(loss_parallel: bool) -> tuple[dict[str, ParallelStyle], dict[s
 
 def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: JobConfig, param_dtype: str) -> nn.Module:
     """Turn the plain (meta-device) model into this rank's part of the parallel model, in place."""
-    for name, degree in (("pipeline", dims.pp), ("context", dims.cp), ("expert", dims.ep)):
+    for name, degree in (("context", dims.cp), ("expert", dims.ep)):
         if degree > 1:
             raise KilnError(f"{name} parallelism is not available in this version of Kiln yet "
                             f"(parallelism.{name}_parallel_degree = {degree})")
@@ -77,10 +77,11 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: JobConfig, para
         raise KilnError("parallelism.enable_async_tensor_parallel needs tensor_parallel_degree > 1")
     apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable:
-        apply_compile(model)
+        apply_compile(model, whole_blocks=dims.tp == 1)
     if dims.fsdp_enabled:
         policy = mixed_precision(param_dtype, cfg.training.mixed_precision_reduce)
-        apply_fsdp(model, dims.fsdp_mesh(), policy, cfg.parallelism.fsdp_reshard_after_forward)
+        apply_fsdp(model, dims.fsdp_mesh(), policy, cfg.parallelism.fsdp_reshard_after_forward,
+                   pipeline_parallel=dims.pp > 1)
     elif dims.ddp_enabled:
         apply_ddp(model, dims.mesh("dp"))
     return model

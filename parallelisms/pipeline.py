@@ -1,0 +1,142 @@
+"""Pipeline parallel: split a model into stages by layers and drive them with a torch schedule.
+
+Stages are made on the meta device by deleting what a stage does not own (layers, embedding,
+final norm and head), so every kept parameter keeps its name and checkpoints stay layout-free.
+"""
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    get_schedule_class,
+)
+
+# Schedules Kiln offers: one stage per rank, several stages per rank (loop layout), or "v" layout.
+SINGLE_STAGE = ("GPipe", "1F1B")
+LOOP_STAGES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+V_STAGES = ("ZBVZeroBubble", "DualPipeV")
+SCHEDULES = SINGLE_STAGE + LOOP_STAGES + V_STAGES
+
+
+def stages_per_rank(schedule: str) -> int:
+    """Single-stage schedules hold one stage per rank; the others here hold two."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown parallelism.pipeline_parallel_schedule {schedule!r}; "
+                         f"choose from {', '.join(SCHEDULES)}")
+    return 1 if schedule in SINGLE_STAGE else 2
+
+
+def stage_ids(pp_rank: int, pp_size: int, schedule: str) -> list[int]:
+    """Which stages this rank runs: rank r gets r, r + pp, ... ("loop") or r and 2·pp−1−r ("v")."""
+    per_rank = stages_per_rank(schedule)
+    if schedule in V_STAGES:
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + k * pp_size for k in range(per_rank)]
+
+
+def split_layers(n_layers: int, num_stages: int, layers_per_stage: int = -1) -> list[list[int]]:
+    """Layer indices per stage: `layers_per_stage` each (the last stage takes the rest), or evenly.
+
+    Evenly, the first and last stages take one layer fewer when layers do not divide, since they
+    also carry the embedding and the output head.
+    """
+    if num_stages > n_layers:
+        raise ValueError(f"{num_stages} pipeline stages are more than the model's {n_layers} layers")
+    if layers_per_stage > 0:
+        if layers_per_stage * (num_stages - 1) >= n_layers:
+            raise ValueError(f"pipeline_parallel_layers_per_stage {layers_per_stage} leaves no layer for "
+                             f"the last of {num_stages} stages ({n_layers} layers)")
+        sizes = [layers_per_stage] * (num_stages - 1) + [n_layers - layers_per_stage * (num_stages - 1)]
+    else:
+        base, extra = divmod(n_layers, num_stages)
+        sizes = [base] * num_stages
+        # Give the extra layers to the middle stages first, then to the ends.
+        order = list(range(1, num_stages - 1)) + [0, num_stages - 1] if num_stages > 2 else list(
+            range(num_stages))
+        for i in order[:extra]:
+            sizes[i] += 1
+    out, start = [], 0
+    for size in sizes:
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def make_stage_model(whole: nn.Module, layers: list[int], first: bool, last: bool) -> nn.Module:
+    """A copy of the (meta-device) model that keeps only `layers`, plus the ends it owns."""
+    stage = copy.deepcopy(whole)
+    for name in list(stage.layers.keys()):
+        if int(name) not in layers:
+            del stage.layers[name]
+    if not first:
+        stage.tok_embeddings = None
+    if not last:
+        stage.norm = None
+        stage.output = None
+    return stage
+
+
+def build_stages(parts: list[nn.Module], ids: list[int], num_stages: int, device: torch.device,
+                 pp_mesh: DeviceMesh) -> list[PipelineStage]:
+    """Wrap each (parallelized, materialised) model part in a PipelineStage."""
+    group = pp_mesh.get_group()
+    return [PipelineStage(part, stage_index=i, num_stages=num_stages, device=device, group=group)
+            for part, i in zip(parts, ids, strict=True)]
+
+
+def build_schedule(name: str, stages: list[PipelineStage], n_microbatches: int,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    """The torch schedule `name` over this rank's stages, splitting each batch in n_microbatches."""
+    cls = get_schedule_class(name)
+    if issubclass(cls, PipelineScheduleSingle):
+        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    assert issubclass(cls, PipelineScheduleMulti)
+    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+class PipelineRunner:
+    """Runs one training or evaluation step of this rank's stages through the schedule.
+
+    The first stage is fed the inputs, the last stage the labels; the loss function is applied
+    per microbatch on the last stage, scaled by `scale` (set per step), and the returned sum is
+    unscaled again so it reports the plain summed cross-entropy of this rank's tokens.
+    """
+
+    def __init__(self, schedule_name: str, stages: list[PipelineStage], n_microbatches: int,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], num_stages: int) -> None:
+        self.scale = 1.0
+        self.loss_fn = loss_fn
+        self.has_first = any(s.stage_index == 0 for s in stages)
+        self.has_last = any(s.stage_index == num_stages - 1 for s in stages)
+        self.schedule = build_schedule(schedule_name, stages, n_microbatches, self._scaled_loss)
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, target) * self.scale
+
+    def run(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float, train: bool = True) -> torch.Tensor:
+        """Forward (and backward when train) of the whole batch; the summed loss on the last stage, else 0."""
+        self.scale = scale
+        losses: list[torch.Tensor] = []
+        target = labels if self.has_last else None
+        args = (inputs,) if self.has_first else ()
+        if train:
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        else:
+            self.schedule.eval(*args, target=target, losses=losses)
+        total = torch.zeros((), dtype=torch.float32, device=labels.device)
+        for loss in losses:
+            total += _plain(loss.detach()).float()
+        return total / scale
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (the loss under loss parallel) as a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t

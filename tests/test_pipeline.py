@@ -1,0 +1,118 @@
+"""Pipeline parallel: every schedule trains like the single process; PP composes with FSDP and TP.
+
+The tiny model gets 4 layers here so that two-stages-per-rank schedules have a layer per stage.
+Same config, seed and global batch as the reference; loss and grad norm within 1e-5 relative at
+step 1 and 1e-4 through step 10.
+"""
+
+import pytest
+
+from conftest import TINY, check_ok, run_train, train_rows
+from parallelisms.pipeline import split_layers, stage_ids
+
+PP = [*TINY, "--training.global_batch_size", "8", "--job.custom_import", "tests.helpers.four_layer_model",
+      "--model.name", "llama3_4l"]
+
+
+def _relative(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_cache):
+    dump = tmp_path_factory.mktemp("ref")
+    check_ok(run_train([*PP, "--job.dump_folder", str(dump), "--training.data_cache_dir", str(data_cache)]))
+    return train_rows(dump)
+
+
+def _compare(reference, rows) -> None:
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    for ref, got in zip(reference, rows, strict=True):
+        tol = 1e-5 if ref["step"] == 1 else 1e-4
+        assert _relative(got["loss"], ref["loss"]) <= tol, (ref["step"], got["loss"], ref["loss"])
+        assert _relative(got["grad_norm"], ref["grad_norm"]) <= tol, (ref["step"], got, ref)
+
+
+SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+             "DualPipeV"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_schedule_matches_single_process(schedule, reference, tmp_path, data_cache):
+    proc = run_train([*PP, "--parallelism.pipeline_parallel_degree", "2",
+                      "--parallelism.pipeline_parallel_schedule", schedule,
+                      "--parallelism.pipeline_parallel_microbatch_size", "2",
+                      "--job.dump_folder", str(tmp_path), "--training.data_cache_dir", str(data_cache)], nproc=2)
+    check_ok(proc)
+    assert f"PP 2 ({schedule}" in proc.stdout
+    _compare(reference, train_rows(tmp_path))
+
+
+@pytest.mark.parametrize("nproc,extra", [
+    (4, ["--training.local_batch_size", "4"]),  # PP 2 × FSDP 2
+    (4, ["--parallelism.tensor_parallel_degree", "2"]),  # PP 2 × TP 2
+    (2, ["--training.local_batch_size", "4"]),  # PP 2 with gradient accumulation (2 × 4 rows)
+], ids=["pp2_fsdp2", "pp2_tp2", "pp2_accumulation"])
+def test_pipeline_composes(nproc, extra, reference, tmp_path, data_cache):
+    check_ok(run_train([*PP, "--parallelism.pipeline_parallel_degree", "2", *extra,
+                        "--job.dump_folder", str(tmp_path), "--training.data_cache_dir", str(data_cache)],
+                       nproc=nproc, timeout=600))
+    _compare(reference, train_rows(tmp_path))
+
+
+def test_3d_pp_fsdp_tp_on_8_processes(reference, tmp_path, data_cache):
+    check_ok(run_train([*PP, "--parallelism.pipeline_parallel_degree", "2",
+                        "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4",
+                        "--job.dump_folder", str(tmp_path), "--training.data_cache_dir", str(data_cache)],
+                       nproc=8, timeout=900))
+    _compare(reference, train_rows(tmp_path))
+
+
+def test_split_layers_and_stage_layout():
+    assert split_layers(6, 2) == [[0, 1, 2], [3, 4, 5]]
+    assert split_layers(7, 3) == [[0, 1], [2, 3, 4], [5, 6]]  # the extra layer goes to the middle
+    assert split_layers(6, 3, layers_per_stage=1) == [[0], [1], [2, 3, 4, 5]]
+    assert stage_ids(0, 2, "Interleaved1F1B") == [0, 2] and stage_ids(1, 2, "Interleaved1F1B") == [1, 3]
+    assert stage_ids(0, 2, "ZBVZeroBubble") == [0, 3] and stage_ids(1, 2, "DualPipeV") == [1, 2]
+    with pytest.raises(ValueError, match="more than the model's 2 layers"):
+        split_layers(2, 3)
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--parallelism.pipeline_parallel_schedule", "1F1B", "--parallelism.pipeline_parallel_microbatch_size",
+      "8"], "at least as many microbatches"),
+    (["--parallelism.pipeline_parallel_microbatch_size", "3"], "not divisible"),
+    (["--parallelism.pipeline_parallel_schedule", "Zigzag"], "Interleaved1F1B"),
+    (["--model.name", "llama3", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+     "more than the model's 2 layers"),
+], ids=["too_few_microbatches", "microbatch_size", "unknown_schedule", "stages_over_layers"])
+def test_bad_pipeline_input(args, fragment, tmp_path):
+    proc = run_train([*PP, "--parallelism.pipeline_parallel_degree", "2", *args,
+                      "--job.dump_folder", str(tmp_path)], nproc=2)
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("kiln: error:")]
+    assert proc.returncode != 0 and len(ours) == 1 and fragment in ours[0], proc.stderr[-3000:]
+
+
+def test_checkpoints_cross_between_pp_and_fsdp(tmp_path, data_cache):
+    """Save with PP 2 × FSDP 2, resume with FSDP 4, and the other way round."""
+    import shutil
+
+    layouts = {"pp": ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"],
+               "fsdp": ["--training.local_batch_size", "2"]}
+    ckpt = ["--training.steps", "20", "--checkpoint.enable", "--checkpoint.interval", "10",
+            "--training.data_cache_dir", str(data_cache)]
+    straight = {}
+    for name, extra in layouts.items():
+        dump = tmp_path / f"straight_{name}"
+        check_ok(run_train([*PP, *ckpt, *extra, "--job.dump_folder", str(dump)], nproc=4))
+        straight[name] = {r["step"]: r["loss"] for r in train_rows(dump)}
+    for saver, loader in (("pp", "fsdp"), ("fsdp", "pp")):
+        dump = tmp_path / f"{saver}_to_{loader}"
+        shutil.copytree(tmp_path / f"straight_{saver}" / "checkpoint" / "step-10", dump / "checkpoint" / "step-10")
+        proc = run_train([*PP, *ckpt, *layouts[loader], "--job.dump_folder", str(dump)], nproc=4)
+        check_ok(proc)
+        assert "resumed from" in proc.stdout
+        rows = {r["step"]: r["loss"] for r in train_rows(dump)}
+        assert sorted(rows) == list(range(11, 21))
+        for step in range(11, 21):
+            assert _relative(rows[step], straight[saver][step]) <= 1e-5, (saver, loader, step)
