@@ -6,8 +6,8 @@ step 1 and 1e-4 through step 10.
 """
 
 import pytest
-
 from conftest import TINY, check_ok, run_train, train_rows
+
 from parallelisms.pipeline import split_layers, stage_ids
 
 PP = [*TINY, "--training.global_batch_size", "8", "--job.custom_import", "tests.helpers.four_layer_model",
