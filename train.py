@@ -23,7 +23,7 @@ from components.checkpoint_states import (
     SchedulerState,
     TrainState,
 )
-from components.config import REPO_ROOT, JobConfig, config_to_toml, load_config
+from components.config import JobConfig, config_to_toml, load_config, resolve_path
 from components.data import (
     BatchLoader,
     TokenWindows,
@@ -50,12 +50,6 @@ from parallelisms.pipeline import PipelineRunner, build_stages, split_layers, st
 from parallelisms.tensor_parallel import local_value, loss_context
 
 
-def resolve_path(path: str) -> Path:
-    """A relative path is looked up in the working directory first, then in the repository."""
-    p = Path(path)
-    return p if p.is_absolute() or p.exists() else REPO_ROOT / p
-
-
 class Trainer:
     """One training run: model, data, optimizer and metrics built from the config, then the loop."""
 
@@ -68,7 +62,11 @@ class Trainer:
         # Model family and shape.
         if cfg.job.custom_import:
             sys.path.insert(0, os.getcwd())
-            importlib.import_module(cfg.job.custom_import)
+            try:
+                importlib.import_module(cfg.job.custom_import)
+            except ImportError as e:
+                raise KilnError(
+                    f"job.custom_import {cfg.job.custom_import!r} cannot be imported: {e}") from None
         try:
             self.spec = get_model_spec(cfg.model.name)
             self.model_args = get_model_args(self.spec, cfg.model.flavor)
@@ -108,6 +106,7 @@ class Trainer:
         self.train_windows = TokenWindows(self.token_files["train"], t.seq_len, args.vocab_size)
         self.loader = BatchLoader(self.train_windows, self.global_batch, t.local_batch_size,
                                   self.dp_rank, dp, t.seed)
+        self.val_batches = self._validation_batches()
 
         # Model: built on the meta device, split into pipeline stages, parallelized, materialised.
         with torch.device("meta"):
@@ -157,10 +156,13 @@ class Trainer:
             last_save_model_only=c.last_save_model_only, export_dtype=c.export_dtype,
             exclude_from_loading=c.exclude_from_loading, is_main=info.is_main,
             partial_model=self.dims.pp > 1)
-        self.peak = peak_flops(info.device, cfg.metrics.peak_tflops)
-        if info.is_main:
-            self.dump.mkdir(parents=True, exist_ok=True)
-            (self.dump / "config.toml").write_text(config_to_toml(cfg))
+        # One process per node measures the CPU peak while the others wait, then they read its cache.
+        if info.local_rank == 0:
+            self.peak = peak_flops(info.device, cfg.metrics.peak_tflops)
+        if dist.is_initialized():
+            dist.barrier()
+        if info.local_rank != 0:
+            self.peak = peak_flops(info.device, cfg.metrics.peak_tflops)
         tb = self.dump / cfg.metrics.save_tb_folder if cfg.metrics.enable_tensorboard else None
         self.metrics = MetricsLogger(self.dump, is_main=info.is_main, device=info.device,
                                      flops_per_token=self.flops_per_token, peak=self.peak,
@@ -182,7 +184,7 @@ class Trainer:
 
     def _pipeline(self) -> PipelineRunner:
         """The schedule over this rank's stages; a step's rows per rank split into microbatches."""
-        p, t = self.cfg.parallelism, self.cfg.training
+        p = self.cfg.parallelism
         rows = self.global_batch // self.dims.dp
         size = p.pipeline_parallel_microbatch_size
         if rows % size != 0:
@@ -306,26 +308,34 @@ class Trainer:
             dist.all_reduce(mean, group=self.dims.mesh("pp").get_group())
         return mean.item()
 
+    def _validation_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """This rank's validation rows, checked at start-up: rounds of one global batch each."""
+        if not self.cfg.validation.enable:
+            return None
+        if "val" not in self.token_files:
+            raise KilnError("validation.enable is set but the dataset has no validation split")
+        t = self.cfg.training
+        windows = TokenWindows(self.token_files["val"], t.seq_len, self.model_args.vocab_size)
+        return validation_batches(windows, self.global_batch // self.dims.dp, self.dp_rank, self.dims.dp,
+                                  self.cfg.validation.steps)
+
     @torch.no_grad()
     def validate(self) -> None:
         """Mean loss over the validation split (validation.steps rounds), logged with val_loss."""
-        if "val" not in self.token_files:
-            raise KilnError("validation.enable is set but the dataset has no validation split")
-        v, t = self.cfg.validation, self.cfg.training
-        windows = TokenWindows(self.token_files["val"], t.seq_len, self.model_args.vocab_size)
+        t = self.cfg.training
         for part in self.model_parts:
             part.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.info.device)
         count = torch.zeros((), dtype=torch.float64, device=self.info.device)
-        # A pipeline evaluates a whole step's rows at a time (its schedule's microbatch count).
-        rows = self.global_batch // self.dims.dp if self.pipeline is not None else t.local_batch_size
-        for inputs, labels in validation_batches(windows, rows, self.dp_rank, self.dims.dp, v.steps):
+        for inputs, labels in self.val_batches:
             inputs, labels = inputs.to(self.info.device), labels.to(self.info.device)
             with loss_context(self.use_loss_parallel), self.autocast:
-                if self.pipeline is not None:
+                if self.pipeline is not None:  # a whole step's rows: the schedule's microbatches
                     total += self.pipeline.run(inputs, labels, 1.0, train=False).double()
                 else:
-                    total += local_value(self.loss_fn(self.model_parts[0](inputs), labels)).double()
+                    for x, y in zip(inputs.split(t.local_batch_size), labels.split(t.local_batch_size),
+                                    strict=True):
+                        total += local_value(self.loss_fn(self.model_parts[0](x), y)).double()
             count += (labels != IGNORE_INDEX).sum()
         for part in self.model_parts:
             part.train()
@@ -337,7 +347,6 @@ class Trainer:
         c = self.checkpoint
         step = c.load()
         if step is not None:
-            self.loader.step = self.state.step + 1
             self.say(f"resumed from {c.folder}/step-{step} ({c.last_load_seconds:.2f} s)")
             return
         path = self.cfg.checkpoint.initial_load_path
@@ -380,6 +389,11 @@ class Trainer:
         cfg, t, st = self.cfg, self.cfg.training, self.state
         self.say(self.summary())
         self.restore()
+        # Only now, with the run's input accepted: the resolved config, and a fresh metrics file
+        # unless the run resumed (then its rows continue the earlier ones).
+        if self.info.is_main:
+            (self.dump / "config.toml").write_text(config_to_toml(cfg))
+        self.metrics.open(append=st.step > 0)
         stop = StopRequest()
         gc_control = GarbageCollection(t.gc_freq)
         tokens_per_step = self.global_batch * t.seq_len
@@ -388,9 +402,8 @@ class Trainer:
                            self.info.rank) as profiler:
             while st.step < t.steps:
                 st.step += 1
-                self.loader.step = st.step
                 lr = self.schedulers[0].get_last_lr()[0]
-                loss_sum, local_tokens, grad_norm = self.train_step(next(self.loader))
+                loss_sum, local_tokens, grad_norm = self.train_step(self.loader.batch(st.step))
                 st.tokens_seen += tokens_per_step
                 self.metrics.count_tokens(tokens_per_step // self.info.world_size)
                 last = st.step == t.steps
@@ -402,6 +415,7 @@ class Trainer:
                 preempted = stop.agreed(self.info.device)
                 if self.checkpoint.should_save(st.step, last) or (preempted and self.checkpoint.enable):
                     self.save_checkpoint(last)
+                self.checkpoint.poll()
                 gc_control.maybe_collect(st.step)
                 if profiler is not None:
                     profiler.step()

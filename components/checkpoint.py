@@ -46,13 +46,23 @@ def complete_checkpoints(folder: Path) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
-def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Global shape of every tensor stored in a DCP checkpoint, by its flattened key."""
+def checkpoint_keys(path: Path) -> dict[str, tuple[int, ...] | None]:
+    """Every key stored in a DCP checkpoint: the global shape of a tensor, None for other values."""
     try:
         meta = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # a truncated or foreign file: say which folder, not a pickle trace
         raise KilnError(f"cannot read checkpoint metadata in {path}: {e}") from None
-    return {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if hasattr(v, "size")}
+    return {k: tuple(v.size) if hasattr(v, "size") else None for k, v in meta.state_dict_metadata.items()}
+
+
+def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Global shape of every tensor stored in a DCP checkpoint, by its flattened key."""
+    return {k: v for k, v in checkpoint_keys(path).items() if v is not None}
+
+
+def is_full_checkpoint(path: Path) -> bool:
+    """Whether a checkpoint holds a whole training state (not only the model)."""
+    return any(k.startswith("train_state.") for k in checkpoint_keys(path))
 
 
 def check_model_matches(model_state: dict[str, Any], stored: dict[str, tuple[int, ...]], path: Path,
@@ -118,30 +128,52 @@ class CheckpointManager:
     # ---------------------------------------------------------------- loading
 
     def load(self) -> int | None:
-        """Load the checkpoint chosen by load_step (-1 = latest); returns its step, or None if none."""
+        """Load the checkpoint chosen by load_step (-1 = latest); returns its step, or None if none.
+
+        Rank 0 chooses and tells the others, so every rank loads the same step even when their
+        views of the folder differ for a moment (network file systems).
+        """
         if not self.enable:
             return None
-        found = complete_checkpoints(self.folder)
-        if self.load_step >= 0:
-            if self.load_step not in found:
-                have = ", ".join(map(str, found)) or "none"
-                raise KilnError(f"checkpoint.load_step {self.load_step} not found in {self.folder}; "
-                                f"complete checkpoints: {have}")
-            step = self.load_step
-        elif found:
-            step = max(found)
-        else:
+        decision = [self._choose() if self.is_main else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(decision, src=0)
+        step, error = decision[0]
+        if error:
+            raise KilnError(error)
+        if step is None:
             return None
-        self.load_from(found[step], parts=[p for p in PARTS if p not in self.exclude])
+        self.load_from(self.folder / f"step-{step}", parts=[p for p in PARTS if p not in self.exclude])
         return step
+
+    def _choose(self) -> tuple[int | None, str | None]:
+        """(step to resume from or None, error message or None), from the main rank's view."""
+        found = complete_checkpoints(self.folder)
+        full = [s for s, path in found.items() if is_full_checkpoint(path)]
+        if self.load_step < 0:
+            # A model-only checkpoint (a seed, or a last_save_model_only export) is no resume point
+            # unless it is all there is, like the seed checkpoint step-0.
+            return (max(full) if full else (max(found) if found else None)), None
+        if self.load_step not in found:
+            have = ", ".join(map(str, found)) or "none"
+            return None, (f"checkpoint.load_step {self.load_step} not found in {self.folder}; "
+                          f"complete checkpoints: {have}")
+        newer = [s for s in full if s > self.load_step]
+        if newer:
+            return None, (
+                f"checkpoint.load_step {self.load_step} is older than step-{max(newer)} in {self.folder}: "
+                f"resuming there would mix two runs' checkpoints. Start a new job.dump_folder with "
+                f"--checkpoint.initial_load_path {self.folder}/step-{self.load_step} "
+                f"--checkpoint.initial_load_model_only false")
+        return self.load_step, None
 
     def load_from(self, path: Path, parts: list[str]) -> list[str]:
         """Load the named parts that the checkpoint at `path` holds; returns the parts loaded."""
-        stored = checkpoint_shapes(path)
+        keys = checkpoint_keys(path)
         if "model" in parts:
+            stored = {k: v for k, v in keys.items() if v is not None}
             check_model_matches(self.states["model"].state_dict(), stored, path, self.partial_model)
-        present = {key.split(".", 1)[0] for key in stored} | {
-            key.split(".", 1)[0] for key in self._non_tensor_keys(path)}
+        present = {key.split(".", 1)[0] for key in keys}
         loading = {p: self.states[p] for p in parts if p in present and p in self.states}
         start = time.perf_counter()
         try:
@@ -152,11 +184,6 @@ class CheckpointManager:
             raise KilnError(f"cannot load checkpoint {path}: {type(e).__name__}: {e}") from None
         self.last_load_seconds = time.perf_counter() - start
         return list(loading)
-
-    @staticmethod
-    def _non_tensor_keys(path: Path) -> list[str]:
-        meta = dcp.FileSystemReader(str(path)).read_metadata()
-        return [k for k, v in meta.state_dict_metadata.items() if not hasattr(v, "size")]
 
     # ---------------------------------------------------------------- saving
 
@@ -169,8 +196,7 @@ class CheckpointManager:
         start = time.perf_counter()  # waiting for the previous async save blocks training too
         self.wait()
         if (final / ".metadata").exists():
-            self.last_save_seconds = {"blocked": time.perf_counter() - start}
-            return  # never overwrite a complete checkpoint (e.g. the step a run resumed from)
+            raise KilnError(f"refusing to overwrite the complete checkpoint {final}")
         model_only = model_only or (last and self.last_save_model_only)
         tmp = self.folder / f"step-{step}.tmp"
         if self.is_main and tmp.exists():
@@ -200,22 +226,33 @@ class CheckpointManager:
         """Whether an asynchronous save is still being written."""
         return self._pending is not None
 
+    def poll(self) -> None:
+        """Publish a finished asynchronous save now (called every step), not only at the next save."""
+        if self._pending is not None and self._pending[0].done():
+            self.wait()
+
     def wait(self) -> None:
         """Block until the pending asynchronous save is on disk, then publish it."""
         if self._pending is None:
             return
         future, step, tmp, final = self._pending
         self._pending = None
-        future.result()
+        try:
+            future.result()
+        except Exception as e:
+            raise KilnError(f"asynchronous save of {final} failed: {type(e).__name__}: {e}") from None
         self._finish(step, tmp, final)
 
     def _finish(self, step: int, tmp: Path, final: Path) -> None:
         """Rename step-N.tmp to step-N (main rank; all ranks' files are in) and prune old ones."""
         if self.is_main:
+            if final.exists():  # a step-N without metadata (ignored as incomplete) is in the way
+                shutil.rmtree(final)
             tmp.rename(final)
             if self.keep_latest_k > 0:
-                complete = list(complete_checkpoints(self.folder).values())
-                for old in complete[: -self.keep_latest_k]:
+                # Only whole training states count and are pruned; model-only exports stay.
+                full = [p for p in complete_checkpoints(self.folder).values() if is_full_checkpoint(p)]
+                for old in full[: -self.keep_latest_k]:
                     shutil.rmtree(old, ignore_errors=True)
 
     def close(self) -> None:

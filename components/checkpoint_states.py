@@ -5,7 +5,7 @@ import io
 import torch
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint._traverse import set_element  # private: what DCP's planner uses
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -15,6 +15,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim.lr_scheduler import LambdaLR
+
+from components.errors import KilnError
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -78,6 +80,8 @@ class SchedulerState(Stateful):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         epoch = int(state["last_epoch"])
+        # LambdaLR keeps its position in private fields (_step_count, _last_lr); set them as its
+        # own step() would, since it has no public way to jump to a step.
         for sched in self.schedulers:
             sched.last_epoch = epoch
             sched._step_count = epoch + 1
@@ -95,29 +99,40 @@ class TrainState(Stateful):
         self.tokens_seen = 0
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        state = {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen),
-                 "cpu_rng": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            state["cuda_rng"] = torch.cuda.get_rng_state()
-        return state
+        # No CUDA RNG: training draws no random numbers after init, and a checkpoint written on a
+        # CPU must resume on a GPU (and the other way round) with the same keys.
+        return {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen),
+                "cpu_rng": torch.get_rng_state()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         torch.set_rng_state(state["cpu_rng"])
-        if torch.cuda.is_available() and "cuda_rng" in state:
-            torch.cuda.set_rng_state(state["cuda_rng"])
 
 
 class DataLoaderState(Stateful):
-    """The loader's resume state: the next step (its batches are a function of the step alone)."""
+    """What the data order depends on besides the step: seed, global batch and sequence length.
+
+    The position itself is the train state's step. Loading checks that this run reads the same
+    order; a run that wants another one leaves "dataloader" out of loading.
+    """
 
     def __init__(self, loader) -> None:
         self.loader = loader
 
+    def _order(self) -> dict[str, int]:
+        return {"seed": self.loader.seed, "global_batch_size": self.loader.global_batch_size,
+                "seq_len": self.loader.windows.seq_len}
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"step": torch.tensor(self.loader.step), "seed": torch.tensor(self.loader.seed),
-                "global_batch_size": torch.tensor(self.loader.global_batch_size)}
+        return {k: torch.tensor(v) for k, v in self._order().items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.loader.step = int(state["step"])
+        for key, now in self._order().items():
+            saved = int(state[key])
+            if saved != now:
+                raise KilnError(
+                    f"the checkpoint was trained with {key} {saved} but this run uses {now}: the data "
+                    f"order would change. Set training.{key} to {saved}, or add 'dataloader' to "
+                    f"checkpoint.exclude_from_loading to continue with the new order"
+                )

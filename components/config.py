@@ -18,6 +18,12 @@ else:  # tomli is the backport of the standard library's tomllib
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def resolve_path(path: str) -> Path:
+    """A relative path is looked up in the working directory first, then in the repository."""
+    p = Path(path)
+    return p if p.is_absolute() or p.exists() else REPO_ROOT / p
+
+
 class ConfigError(KilnError):
     """A bad config file or command-line override, explained in one message."""
 

@@ -8,9 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+from components.config import REPO_ROOT
 from components.errors import KilnError
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 EMBEDDED_DATASETS: dict[str, dict[str, Path]] = {
     "shakespeare": {

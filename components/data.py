@@ -7,9 +7,11 @@ consecutive global batches. Data-parallel rank r takes its rows of it. So every 
 same global batch, and the loader's whole resume state is the step.
 """
 
+import functools
 import hashlib
 import json
 import os
+import socket
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -26,6 +28,11 @@ _ENCODE_CHUNK = 512  # documents per encode_batch call: bounded memory, still fa
 def token_dtype(vocab_size: int) -> np.dtype:
     """The smallest unsigned dtype that holds every token id."""
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def _writer_id() -> str:
+    """Unique per process on a shared file system (several nodes may tokenize at once)."""
+    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 def _chunks(items: Iterable[str], size: int) -> Iterable[list[str]]:
@@ -47,7 +54,7 @@ def write_token_file(documents: Iterable[str], tokenizer: Tokenizer, out: Path) 
     """
     dtype = token_dtype(tokenizer.vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    tmp = out.with_name(f"{out.name}.tmp-{_writer_id()}")
     total = 0
     with open(tmp, "wb") as f:
         for chunk in _chunks(documents, _ENCODE_CHUNK):
@@ -56,7 +63,7 @@ def write_token_file(documents: Iterable[str], tokenizer: Tokenizer, out: Path) 
                 f.write(arr.tobytes())
                 total += len(arr)
     # The sidecar first: a reader that finds the .bin must also find its dtype.
-    meta_tmp = out.with_name(f"{out.stem}.json.tmp{os.getpid()}")
+    meta_tmp = out.with_name(f"{out.stem}.json.tmp-{_writer_id()}")
     meta_tmp.write_text(json.dumps({"tokens": total, "dtype": dtype.name}))
     os.replace(meta_tmp, out.with_suffix(".json"))
     os.replace(tmp, out)
@@ -126,7 +133,14 @@ class TokenWindows:
         # The dtype was chosen by the tokenizer that wrote the file (see the .json beside it);
         # the model's vocabulary only bounds the ids.
         meta = path.with_suffix(".json")
-        dtype = json.loads(meta.read_text())["dtype"] if meta.exists() else token_dtype(vocab_size)
+        try:
+            dtype = json.loads(meta.read_text())["dtype"] if meta.exists() else token_dtype(vocab_size)
+            np.dtype(dtype)
+        except (ValueError, KeyError, TypeError) as e:
+            raise KilnError(f"token file description {meta} is damaged ({e}); delete it and the .bin "
+                            f"to tokenize again") from None
+        if path.stat().st_size == 0:
+            raise KilnError(f"token file {path} is empty: the dataset has no text")
         if path.stat().st_size % np.dtype(dtype).itemsize:
             raise KilnError(f"token file {path} is not a whole number of {dtype} tokens")
         self.tokens = np.memmap(path, dtype=dtype, mode="r")
@@ -148,6 +162,12 @@ class TokenWindows:
         return torch.from_numpy(out)
 
 
+@functools.lru_cache(maxsize=2)
+def epoch_permutation(seed: int, epoch: int, num_windows: int) -> np.ndarray:
+    """The window order of one epoch (cached: every step of the epoch reads it)."""
+    return np.random.default_rng([seed, epoch]).permutation(num_windows)
+
+
 def global_batch_indices(step: int, global_batch_size: int, num_windows: int, seed: int) -> np.ndarray:
     """Window indices of the global batch of `step` (1-based): a function of its arguments alone.
 
@@ -159,7 +179,7 @@ def global_batch_indices(step: int, global_batch_size: int, num_windows: int, se
     epochs = positions // num_windows
     out = np.empty(global_batch_size, dtype=np.int64)
     for epoch in np.unique(epochs):
-        perm = np.random.default_rng([seed, int(epoch)]).permutation(num_windows)
+        perm = epoch_permutation(seed, int(epoch), num_windows)
         mask = epochs == epoch
         out[mask] = perm[positions[mask] % num_windows]
     return out
@@ -168,8 +188,9 @@ def global_batch_indices(step: int, global_batch_size: int, num_windows: int, se
 class BatchLoader:
     """Yields, for each training step, this data-parallel rank's microbatches of (inputs, labels).
 
-    The global batch is laid out [microbatch][dp rank][local row]; the loader is Stateful and its
-    state is the next step, so resuming in any layout continues the same sequence of batches.
+    The global batch is laid out [microbatch][dp rank][local row]. Its only position is the step
+    (`batch(step)`, or `step` for iteration), so resuming in any layout continues the same
+    sequence of batches.
     """
 
     def __init__(self, windows: TokenWindows, global_batch_size: int, local_batch_size: int,
@@ -214,16 +235,13 @@ class BatchLoader:
         self.step += 1
         return batch
 
-    def state_dict(self) -> dict:
-        return {"step": self.step, "seed": self.seed, "global_batch_size": self.global_batch_size}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
 
 
 def validation_batches(windows: TokenWindows, local_batch_size: int, dp_rank: int, dp_degree: int,
                        max_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The validation split in order, in rounds of local_batch_size × dp rows (-1 = every full round)."""
+    """This rank's rows of the validation split, read in order in rounds of local_batch_size × dp rows
+    (max_steps rounds; -1 = every full round). The trainer passes global_batch / dp as the local
+    size, so a round is one global batch in every layout."""
     per_round = local_batch_size * dp_degree
     rounds = len(windows) // per_round
     if max_steps >= 0:
@@ -231,7 +249,7 @@ def validation_batches(windows: TokenWindows, local_batch_size: int, dp_rank: in
     if rounds == 0:
         raise KilnError(
             f"the validation split has {len(windows)} windows, fewer than one round of "
-            f"local_batch_size × dp = {per_round}"
+            f"{per_round} (one global batch)"
         )
     out = []
     for r in range(rounds):

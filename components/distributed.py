@@ -11,6 +11,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from components.errors import KilnError
+
 
 @dataclass
 class DistInfo:
@@ -37,6 +39,9 @@ def pick_device(local_rank: int) -> torch.device:
 def init_distributed(timeout_seconds: int) -> DistInfo:
     """Join the process group torchrun set up (nccl on GPU, gloo on CPU); one process needs none."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and not all(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "RANK")):
+        raise KilnError("WORLD_SIZE > 1 but MASTER_ADDR, MASTER_PORT or RANK is not set: launch with "
+                        "torchrun (or set all of them as torchrun would)")
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(local_rank)

@@ -56,5 +56,8 @@ def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float,
         dist.all_reduce(square, group=pipeline_group)
         total = square.sqrt().float()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        # One mesh group at a time: the fused multiply cannot mix DTensors of different meshes.
+        by_grad = {id(p.grad): p for p in params}
+        for group in _group_by_mesh([p.grad for p in params]).values():
+            torch.nn.utils.clip_grads_with_norm_([by_grad[id(g)] for g in group], max_norm, total)
     return total

@@ -1,6 +1,7 @@
 """Console lines, metrics.jsonl and TensorBoard; tokens/s, TFLOP/s, MFU and memory per step."""
 
 import json
+import os
 import platform
 import resource
 import time
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from components.errors import KilnError
 from components.peak_flops import PeakFlops
 
 
@@ -39,13 +41,26 @@ class MetricsLogger:
         self._last_time = self.start
         self._tokens_since = 0
         self._writer = None
-        if is_main:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", buffering=1)
-            if tensorboard_dir is not None:
-                from torch.utils.tensorboard import SummaryWriter
+        self._file = None
+        self._tensorboard_dir = tensorboard_dir
+        if is_main:  # fail at start-up, not at the first logged step, if the folder is unusable
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                probe = self.path.parent / f".write-test-{os.getpid()}"
+                probe.touch()
+                probe.unlink()
+            except OSError as e:
+                raise KilnError(f"job.dump_folder {self.path.parent} is not writable: {e}") from None
 
-                self._writer = SummaryWriter(log_dir=str(tensorboard_dir))
+    def open(self, append: bool) -> None:
+        """Start writing: append to metrics.jsonl when resuming, else start it afresh."""
+        if not self.is_main:
+            return
+        self._file = open(self.path, "a" if append else "w", buffering=1)
+        if self._tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self._tensorboard_dir))
 
     def count_tokens(self, tokens_per_device: int) -> None:
         """Add the tokens this device processed in a step (called every step)."""
@@ -91,7 +106,7 @@ class MetricsLogger:
                     self._writer.add_scalar(key, value, row["step"])
 
     def close(self) -> None:
-        if self.is_main:
+        if self._file is not None:
             self._file.close()
             if self._writer is not None:
                 self._writer.close()

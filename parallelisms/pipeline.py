@@ -119,7 +119,8 @@ class PipelineRunner:
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, target) * self.scale
 
-    def run(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float, train: bool = True) -> torch.Tensor:
+    def run(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float,
+            train: bool = True) -> torch.Tensor:
         """Forward (and backward when train) of the whole batch; the summed loss on the last stage, else 0."""
         self.scale = scale
         losses: list[torch.Tensor] = []

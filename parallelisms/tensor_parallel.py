@@ -51,6 +51,7 @@ def enable_async_tp(tp_mesh: DeviceMesh, device_type: str, compiled: bool) -> No
     if not compiled:
         raise ValueError("parallelism.enable_async_tensor_parallel needs --compile.enable (the "
                          "overlap is done by inductor)")
+    # Private torch APIs, as TorchTitan uses them: async TP has no public switch in torch 2.13.
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     torch._inductor.config._micro_pipeline_tp = True

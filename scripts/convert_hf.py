@@ -29,7 +29,7 @@ from torch import nn  # noqa: E402
 
 from components.checkpoint import EXPORT_DTYPES, check_model_matches, checkpoint_shapes  # noqa: E402
 from components.checkpoint_states import ModelState, SafeLoadPlanner  # noqa: E402
-from components.config import REPO_ROOT, JobConfig, load_config  # noqa: E402
+from components.config import JobConfig, load_config, resolve_path  # noqa: E402
 from components.errors import KilnError  # noqa: E402
 from components.hf_io import kiln_state_from_hf, save_hf_folder  # noqa: E402
 from components.tokenizer import Tokenizer  # noqa: E402
@@ -37,12 +37,6 @@ from models import UnknownModelError, get_model_args, get_model_spec  # noqa: E4
 
 # One process, no process group, is what we mean: DCP's warning about it is noise here.
 warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
-
-
-def resolve(path: str) -> Path:
-    """A relative path is looked up in the working directory first, then in the repository."""
-    p = Path(path)
-    return p if p.is_absolute() or p.exists() else REPO_ROOT / p
 
 
 def build_model(cfg: JobConfig) -> tuple[nn.Module, Any]:
@@ -75,7 +69,7 @@ def to_hf(cfg: JobConfig, checkpoint: Path, out: Path, dtype: torch.dtype) -> No
     if not (checkpoint / ".metadata").is_file():
         raise KilnError(f"{checkpoint} is not a complete DCP checkpoint (no .metadata)")
     tmp = fresh_folder(out)
-    tokenizer = Tokenizer(resolve(cfg.model.tokenizer_path))
+    tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
     model, adapter = build_model(cfg)
     state = ModelState([model])
     check_model_matches(state.state_dict(), checkpoint_shapes(checkpoint), checkpoint)

@@ -133,11 +133,23 @@ def test_crash_during_save_keeps_previous_checkpoint(single, tmp_path, data_cach
 def test_keep_latest_and_load_step(single, tmp_path, data_cache):
     check_ok(run_train(args_for(tmp_path, data_cache, "--checkpoint.keep_latest_k", "2")))
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-15", "step-20"]
+    # load_step behind newer checkpoints would fork the run inside one folder: refused...
     again = tmp_path / "again"
     shutil.copytree(single / "checkpoint", again / "checkpoint")
-    proc = run_train(args_for(again, data_cache, "--checkpoint.load_step", "5"))
-    check_ok(proc)
-    assert_same(losses(again), losses(single), range(6, 21), rel=0.0)
+    _fails_with(run_train(args_for(again, data_cache, "--checkpoint.load_step", "5")),
+                "load_step 5", "older than step-20", "initial_load_path")
+    # ...and done in a new folder, from that step's whole state: the original continuation.
+    fork = tmp_path / "fork"
+    check_ok(run_train(args_for(fork, data_cache, "--checkpoint.initial_load_path",
+                                str(again / "checkpoint" / "step-5"),
+                                "--checkpoint.initial_load_model_only", "false")))
+    assert_same(losses(fork), losses(single), range(6, 21), rel=0.0)
+    # load_step may also name the newest checkpoint itself.
+    only = tmp_path / "only"
+    resume_from(single, 5, only)
+    shutil.copytree(single / "checkpoint" / "step-10", only / "checkpoint" / "step-10")
+    check_ok(run_train(args_for(only, data_cache, "--checkpoint.load_step", "10")))
+    assert sorted(losses(only)) == list(range(11, 21))
 
 
 def test_async_save_resumes_exactly(single, tmp_path, data_cache):
@@ -238,3 +250,13 @@ def test_initial_load_path_and_exclusions(single, tmp_path, data_cache):
     got = losses(no_opt)
     assert sorted(got) == list(range(11, 21)) and got[11] == fresh[11]
     assert abs(got[12][0] - fresh[12][0]) > 1e-4
+
+
+def test_changed_data_order_is_refused_unless_excluded(single, tmp_path, data_cache):
+    resume_from(single, 10, tmp_path)
+    _fails_with(run_train(args_for(tmp_path, data_cache, "--training.global_batch_size", "16")),
+                "global_batch_size 8", "uses 16", "exclude_from_loading")
+    proc = run_train(args_for(tmp_path, data_cache, "--training.global_batch_size", "16",
+                              "--checkpoint.exclude_from_loading", "dataloader"))
+    check_ok(proc)
+    assert sorted(losses(tmp_path)) == list(range(11, 21))  # a fresh metrics file would start at 1

@@ -42,7 +42,8 @@ def test_schedule_matches_single_process(schedule, reference, tmp_path, data_cac
     proc = run_train([*PP, "--parallelism.pipeline_parallel_degree", "2",
                       "--parallelism.pipeline_parallel_schedule", schedule,
                       "--parallelism.pipeline_parallel_microbatch_size", "2",
-                      "--job.dump_folder", str(tmp_path), "--training.data_cache_dir", str(data_cache)], nproc=2)
+                      "--job.dump_folder", str(tmp_path), "--training.data_cache_dir", str(data_cache)],
+                     nproc=2)
     check_ok(proc)
     assert f"PP 2 ({schedule}" in proc.stdout
     _compare(reference, train_rows(tmp_path))
@@ -108,7 +109,8 @@ def test_checkpoints_cross_between_pp_and_fsdp(tmp_path, data_cache):
         straight[name] = {r["step"]: r["loss"] for r in train_rows(dump)}
     for saver, loader in (("pp", "fsdp"), ("fsdp", "pp")):
         dump = tmp_path / f"{saver}_to_{loader}"
-        shutil.copytree(tmp_path / f"straight_{saver}" / "checkpoint" / "step-10", dump / "checkpoint" / "step-10")
+        shutil.copytree(tmp_path / f"straight_{saver}" / "checkpoint" / "step-10",
+                        dump / "checkpoint" / "step-10")
         proc = run_train([*PP, *ckpt, *layouts[loader], "--job.dump_folder", str(dump)], nproc=4)
         check_ok(proc)
         assert "resumed from" in proc.stdout
