@@ -79,11 +79,6 @@ class ParallelDims:
                     vocab_size: int | None = None) -> None:
         """Reject degrees that cannot split this model; messages name the numbers."""
         if self.tp > 1:
-            if vocab_size is not None and vocab_size % self.tp != 0:
-                raise KilnError(
-                    f"tensor_parallel_degree {self.tp} must divide the vocabulary size {vocab_size} "
-                    f"(the embedding and output head are split over it)"
-                )
             if n_heads % self.tp != 0:
                 raise KilnError(
                     f"tensor_parallel_degree {self.tp} must divide the model's {n_heads} attention heads"
@@ -92,6 +87,11 @@ class ParallelDims:
                 raise KilnError(
                     f"tensor_parallel_degree {self.tp} must divide the model's {n_kv_heads} key/value "
                     f"heads (GQA with fewer KV heads than TP ranks is not supported)"
+                )
+            if vocab_size is not None and vocab_size % self.tp != 0:
+                raise KilnError(
+                    f"tensor_parallel_degree {self.tp} must divide the vocabulary size {vocab_size} "
+                    f"(the embedding and output head are split over it)"
                 )
             if seq_len % self.tp != 0:
                 raise KilnError(

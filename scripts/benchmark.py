@@ -23,6 +23,7 @@ def kiln_tps(nproc: int, threads: int, steps: int, warmup: int, cache: Path, ext
     """Tokens/s (all processes together) of train.py between step `warmup` and the last step."""
     with tempfile.TemporaryDirectory() as dump:
         args = ["--config", "llama_debug", "--training.steps", str(steps), "--metrics.log_freq", "1",
+                "--training.global_batch_size", "8",
                 "--job.dump_folder", dump, "--training.data_cache_dir", str(cache), *extra]
         if nproc == 1:
             cmd = [sys.executable, "train.py", *args]
@@ -69,6 +70,33 @@ def parallel_table(a: argparse.Namespace, cache: Path) -> None:
         print(f"| {name:<32} | " + " | ".join(cells) + " |")
 
 
+def bubble(schedule: str, pp: int, m: int) -> str:
+    """The textbook idle fraction of a schedule with pp ranks and m microbatches."""
+    if schedule in ("GPipe", "1F1B"):
+        return f"{(pp - 1) / (m + pp - 1):.2f}"
+    if schedule in ("Interleaved1F1B", "LoopedBFS"):  # two stages per rank
+        return f"{(pp - 1) / (2 * m + pp - 1):.2f}"
+    return "≈0 (ideal)"  # zero-bubble schedules fill the gap with weight-gradient work
+
+
+def pipeline_table(a: argparse.Namespace, cache: Path) -> None:
+    """Step time of every schedule at PP 2 (debug model, seq 256), 4 and 8 microbatches of 1 row."""
+    schedules = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                 "DualPipeV"]
+    print(f"\n| {'schedule (PP 2, 1 thread each)':<32} | {'m=4 step':>9} | {'bubble':>10} | "
+          f"{'m=8 step':>9} | {'bubble':>10} |")
+    print(f"|{'-' * 34}|{'-' * 11}|{'-' * 12}|{'-' * 11}|{'-' * 12}|")
+    for name in schedules:
+        cells = []
+        for m in (4, 8):
+            extra = ["--parallelism.pipeline_parallel_degree", "2",
+                     "--parallelism.pipeline_parallel_schedule", name,
+                     "--training.local_batch_size", str(m), "--training.global_batch_size", str(m)]
+            tps = statistics.median(kiln_tps(2, 1, a.steps, a.warmup, cache, extra) for _ in range(a.repeats))
+            cells.append(f"{m * 256 / tps:>7.3f} s | {bubble(name, 2, m):>10}")
+        print(f"| {name:<32} | " + " | ".join(cells) + " |")
+
+
 def memory_table(cache: Path) -> None:
     """Peak memory (RSS on CPU) of one process, debug model at seq 1024, with each AC mode."""
     modes = {"none": [], "selective (every 2nd block)": ["--activation_checkpoint.mode", "selective"],
@@ -80,7 +108,8 @@ def memory_table(cache: Path) -> None:
     for name, extra in modes.items():
         with tempfile.TemporaryDirectory() as dump:
             args = ["--config", "llama_debug", "--training.seq_len", "1024",
-                    "--training.local_batch_size", "8", "--training.steps", "3", "--metrics.log_freq", "1",
+                    "--training.local_batch_size", "8", "--training.global_batch_size", "8",
+                    "--training.steps", "3", "--metrics.log_freq", "1",
                     "--job.dump_folder", dump,
                     "--training.data_cache_dir", str(cache), *extra]
             subprocess.run([sys.executable, "train.py", *args], cwd=REPO, check=True, capture_output=True)
@@ -97,7 +126,8 @@ def main() -> None:
                     help="threads of a single-process run (FSDP runs use threads / nproc each)")
     ap.add_argument("--tables", default="overhead",
                     help="comma-separated: overhead (Kiln vs plain loop, FSDP 2 vs 1), parallel "
-                         "(FSDP/TP layouts × AC/compile), memory (peak memory per AC mode)")
+                         "(FSDP/TP layouts × AC/compile), memory (peak memory per AC mode), pipeline "
+                         "(step time per schedule)")
     a = ap.parse_args()
     tables = set(a.tables.split(","))
     cache = Path(tempfile.mkdtemp(prefix="kiln-bench-"))
@@ -108,6 +138,8 @@ def main() -> None:
         parallel_table(a, cache)
     if "memory" in tables:
         memory_table(cache)
+    if "pipeline" in tables:
+        pipeline_table(a, cache)
 
 
 def overhead_table(a: argparse.Namespace, cache: Path) -> None:

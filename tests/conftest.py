@@ -14,7 +14,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 # A small, fast shape for multi-process tests: the tiny flavor, short sequences, few steps.
 TINY = [
     "--config", "llama_debug", "--model.flavor", "tiny", "--training.seq_len", "64",
-    "--training.local_batch_size", "8", "--training.steps", "10", "--metrics.log_freq", "1",
+    "--training.local_batch_size", "8", "--training.global_batch_size", "-1", "--training.steps", "10",
+    "--metrics.log_freq", "1",
     "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3",
 ]
 

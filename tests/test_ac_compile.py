@@ -30,7 +30,7 @@ def test_same_losses(plain, args, tmp_path, data_cache):
 
 def test_ac_under_fsdp(plain, tmp_path, data_cache):
     check_ok(run_train([*TINY, "--training.steps", "4", "--activation_checkpoint.mode", "full",
-                        "--training.local_batch_size", "4", "--training.global_batch_size", "8",
+                        "--training.local_batch_size", "4",
                         "--job.dump_folder", str(tmp_path), "--training.data_cache_dir", str(data_cache)],
                        nproc=2))
     for ref, got in zip(plain, train_rows(tmp_path), strict=True):

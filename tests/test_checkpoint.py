@@ -254,9 +254,9 @@ def test_initial_load_path_and_exclusions(single, tmp_path, data_cache):
 
 def test_changed_data_order_is_refused_unless_excluded(single, tmp_path, data_cache):
     resume_from(single, 10, tmp_path)
-    _fails_with(run_train(args_for(tmp_path, data_cache, "--training.global_batch_size", "8")),
-                "global_batch_size 16", "uses 8", "exclude_from_loading")
-    proc = run_train(args_for(tmp_path, data_cache, "--training.global_batch_size", "8",
+    _fails_with(run_train(args_for(tmp_path, data_cache, "--training.global_batch_size", "16")),
+                "global_batch_size 8", "uses 16", "exclude_from_loading")
+    proc = run_train(args_for(tmp_path, data_cache, "--training.global_batch_size", "16",
                               "--checkpoint.exclude_from_loading", "dataloader"))
     check_ok(proc)
     assert sorted(losses(tmp_path)) == list(range(11, 21))  # a fresh metrics file would start at 1

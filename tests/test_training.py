@@ -23,7 +23,8 @@ def unigram_entropy(token_file: Path) -> float:
 def debug_run(tmp_path_factory, data_cache):
     """100 steps of the debug model (seq 128, batch 8) with validation and TensorBoard on."""
     dump = tmp_path_factory.mktemp("debug100")
-    proc = run_train(["--config", "llama_debug", "--training.seq_len", "128", "--training.global_batch_size", "8",
+    proc = run_train(["--config", "llama_debug", "--training.seq_len", "128",
+                      "--training.local_batch_size", "8", "--training.global_batch_size", "8",
                       "--job.dump_folder", str(dump), "--training.data_cache_dir", str(data_cache),
                       "--validation.enable", "--validation.freq", "50", "--validation.steps", "8",
                       "--metrics.enable_tensorboard"], timeout=600)
