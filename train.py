@@ -46,7 +46,7 @@ from models import UnknownModelError, get_model_args, get_model_spec
 from parallelisms.fsdp import set_gradient_sync
 from parallelisms.materialize import materialize_and_init
 from parallelisms.parallel_dims import ParallelDims
-from parallelisms.pipeline import PipelineRunner, build_stages, split_layers, stage_ids
+from parallelisms.pipeline import PipelineRunner, build_stages, parse_stage_layers, split_layers, stage_ids
 from parallelisms.tensor_parallel import local_value, loss_context
 
 
@@ -176,7 +176,10 @@ class Trainer:
         try:
             ids = stage_ids(self.dims.mesh("pp").get_local_rank(), self.dims.pp, p.pipeline_parallel_schedule)
             num_stages = self.dims.pp * len(ids)
-            layers = split_layers(self.model_args.n_layers, num_stages, p.pipeline_parallel_layers_per_stage)
+            n_layers = self.model_args.n_layers
+            layers = (parse_stage_layers(p.pipeline_parallel_stage_layers, n_layers, num_stages)
+                      if p.pipeline_parallel_stage_layers
+                      else split_layers(n_layers, num_stages, p.pipeline_parallel_layers_per_stage))
         except ValueError as e:
             raise KilnError(str(e)) from None
         parts = [self.spec.pipeline_fn(whole, layers[i], i == 0, i == num_stages - 1) for i in ids]

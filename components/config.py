@@ -172,6 +172,10 @@ class Parallelism:
     pipeline_parallel_layers_per_stage: int = _opt(
         -1, "layers per pipeline stage (the last stage takes the rest); -1 = split evenly", _ge(1, or_=-1)
     )
+    pipeline_parallel_stage_layers: str = _opt(
+        "", "explicit layers of each stage, e.g. '0-1,2-4,5' (stage 0: layers 0 and 1, ...); '' = split "
+        "by the rules above"
+    )
     context_parallel_degree: int = _opt(1, "ranks a sequence is split over", _ge(1))
     expert_parallel_degree: int = _opt(1, "ranks an MoE layer's experts are split over", _ge(1))
 

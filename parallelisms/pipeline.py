@@ -68,6 +68,27 @@ def split_layers(n_layers: int, num_stages: int, layers_per_stage: int = -1) -> 
     return out
 
 
+def parse_stage_layers(spec: str, n_layers: int, num_stages: int) -> list[list[int]]:
+    """'0-1,2-4,5' → [[0, 1], [2, 3, 4], [5]]: explicit layers per stage, which must cover every
+    layer once, in order, and name one group per stage."""
+    stages = []
+    for group in spec.split(","):
+        first, _, last = group.strip().partition("-")
+        try:
+            lo, hi = int(first), int(last or first)
+        except ValueError:
+            raise ValueError(
+                f"pipeline_parallel_stage_layers: {group!r} is not a layer or a range a-b") from None
+        stages.append(list(range(lo, hi + 1)))
+    if len(stages) != num_stages:
+        raise ValueError(f"pipeline_parallel_stage_layers names {len(stages)} stages but the schedule "
+                         f"runs {num_stages}")
+    if [i for s in stages for i in s] != list(range(n_layers)) or any(not s for s in stages):
+        raise ValueError(f"pipeline_parallel_stage_layers {spec!r} must cover layers 0..{n_layers - 1} "
+                         f"once each, in order, with at least one layer per stage")
+    return stages
+
+
 def make_stage_model(whole: nn.Module, layers: list[int], first: bool, last: bool) -> nn.Module:
     """A copy of the (meta-device) model that keeps only `layers`, plus the ends it owns."""
     stage = copy.deepcopy(whole)

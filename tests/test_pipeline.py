@@ -8,7 +8,7 @@ step 1 and 1e-4 through step 10.
 import pytest
 from conftest import TINY, check_ok, run_train, train_rows
 
-from parallelisms.pipeline import split_layers, stage_ids
+from parallelisms.pipeline import parse_stage_layers, split_layers, stage_ids
 
 PP = [*TINY, "--training.global_batch_size", "8", "--job.custom_import", "tests.helpers.four_layer_model",
       "--model.name", "llama3_4l"]
@@ -53,7 +53,8 @@ def test_schedule_matches_single_process(schedule, reference, tmp_path, data_cac
     (4, ["--training.local_batch_size", "4"]),  # PP 2 × FSDP 2
     (4, ["--parallelism.tensor_parallel_degree", "2"]),  # PP 2 × TP 2
     (2, ["--training.local_batch_size", "4"]),  # PP 2 with gradient accumulation (2 × 4 rows)
-], ids=["pp2_fsdp2", "pp2_tp2", "pp2_accumulation"])
+    (2, ["--parallelism.pipeline_parallel_stage_layers", "0,1-3"]),  # uneven stages by hand
+], ids=["pp2_fsdp2", "pp2_tp2", "pp2_accumulation", "pp2_explicit_layers"])
 def test_pipeline_composes(nproc, extra, reference, tmp_path, data_cache):
     check_ok(run_train([*PP, "--parallelism.pipeline_parallel_degree", "2", *extra,
                         "--job.dump_folder", str(tmp_path), "--training.data_cache_dir", str(data_cache)],
@@ -77,6 +78,10 @@ def test_split_layers_and_stage_layout():
     assert stage_ids(0, 2, "ZBVZeroBubble") == [0, 3] and stage_ids(1, 2, "DualPipeV") == [1, 2]
     with pytest.raises(ValueError, match="more than the model's 2 layers"):
         split_layers(2, 3)
+    assert parse_stage_layers("0-1,2-4,5", 6, 3) == [[0, 1], [2, 3, 4], [5]]
+    for bad, words in (("0-2,4-5", "cover"), ("0-5", "names 1 stages"), ("0-x,3-5", "not a layer")):
+        with pytest.raises(ValueError, match=words):
+            parse_stage_layers(bad, 6, 2)
 
 
 @pytest.mark.parametrize("args,fragment", [
