@@ -87,3 +87,10 @@ def test_tp_with_ddp_is_refused(tmp_path):
                       "--parallelism.data_parallel_shard_degree", "1"], nproc=4)
     ours = [line for line in proc.stderr.splitlines() if line.startswith("kiln: error:")]
     assert proc.returncode != 0 and len(ours) == 1 and "DDP" in ours[0], proc.stderr
+
+
+def test_compile_with_tp_is_refused_on_cpu(tmp_path):
+    proc = run_train([*TINY, "--job.dump_folder", str(tmp_path), "--parallelism.tensor_parallel_degree", "2",
+                      "--compile.enable"], nproc=2)
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("kiln: error:")]
+    assert proc.returncode != 0 and len(ours) == 1 and "tensor parallel" in ours[0], proc.stderr
