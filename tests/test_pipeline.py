@@ -54,7 +54,9 @@ def test_schedule_matches_single_process(schedule, reference, tmp_path, data_cac
     (4, ["--parallelism.tensor_parallel_degree", "2"]),  # PP 2 × TP 2
     (2, ["--training.local_batch_size", "4"]),  # PP 2 with gradient accumulation (2 × 4 rows)
     (2, ["--parallelism.pipeline_parallel_stage_layers", "0,1-3"]),  # uneven stages by hand
-], ids=["pp2_fsdp2", "pp2_tp2", "pp2_accumulation", "pp2_explicit_layers"])
+    (2, ["--activation_checkpoint.mode", "full"]),  # each stage through the same AC path
+    (2, ["--compile.enable"]),  # ... and the same compile path
+], ids=["pp2_fsdp2", "pp2_tp2", "pp2_accumulation", "pp2_explicit_layers", "pp2_ac", "pp2_compile"])
 def test_pipeline_composes(nproc, extra, reference, tmp_path, data_cache):
     check_ok(run_train([*PP, "--parallelism.pipeline_parallel_degree", "2", *extra,
                         "--job.dump_folder", str(tmp_path), "--training.data_cache_dir", str(data_cache)],
