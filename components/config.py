@@ -103,7 +103,8 @@ class Training:
     steps: int = _opt(100, "optimizer steps to train for", _ge(1))
     seed: int = _opt(42, "random seed for weights and data order", _ge(0))
     max_norm: float = _opt(1.0, "clip the gradient norm to this; <= 0 disables clipping")
-    gc_freq: int = _opt(50, "collect Python garbage every N steps, on all ranks at once", _ge(1))
+    gc_freq: int = _opt(50, "collect Python garbage every N steps, on all ranks at once; 0 = automatic GC",
+                        _ge(0))
     deterministic: bool = _opt(False, "deterministic kernels (slower), for reproducible runs")
     mixed_precision_param: Literal["auto", "float32", "bfloat16"] = _opt(
         "auto", "dtype for parameters in forward/backward; auto = bfloat16 on GPU, float32 on CPU"

@@ -6,7 +6,7 @@ the same way from a module named in `--job.custom_import`.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -24,7 +24,6 @@ class ModelSpec:
     # (whole meta model, layer indices, is_first, is_last) → the stage's model; None = no PP.
     pipeline_fn: Callable[..., nn.Module] | None = None
     state_dict_adapter: type | None = None  # converts to/from Hugging Face names
-    notes: dict[str, str] = field(default_factory=dict)
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

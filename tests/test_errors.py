@@ -52,7 +52,7 @@ def test_vocab_mismatch(tmp_path):
     # The 1B flavor's vocabulary is larger; a larger tokenizer than the model is the error case,
     # so point a small flavor at a model whose vocab is smaller than the tokenizer's.
     _fails_with(run_train([*TINY, "--job.dump_folder", str(tmp_path), "--job.custom_import",
-                           "tests.helpers.small_vocab_model", "--model.name", "small_vocab"]),
+                           "tests.helpers.variant_models", "--model.name", "small_vocab"]),
                 "4096 tokens", "vocabulary of 1000")
 
 

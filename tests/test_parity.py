@@ -67,7 +67,7 @@ def test_layout_matches_single_process(layout, reference, tmp_path, data_cache):
 
 def test_tied_embeddings_fsdp_matches_single_process(tmp_path, data_cache):
     """Tied weights (Llama 3.2 1B/3B style) stay tied through meta → FSDP → to_empty."""
-    tied = ["--job.custom_import", "tests.helpers.tied_model", "--model.name", "llama3_tied"]
+    tied = ["--job.custom_import", "tests.helpers.variant_models", "--model.name", "llama3_tied"]
     runs = {}
     for nproc in (1, 2):
         dump = tmp_path / f"n{nproc}"

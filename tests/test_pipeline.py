@@ -10,7 +10,7 @@ from conftest import TINY, check_ok, run_train, train_rows
 
 from parallelisms.pipeline import parse_stage_layers, split_layers, stage_ids
 
-PP = [*TINY, "--training.global_batch_size", "8", "--job.custom_import", "tests.helpers.four_layer_model",
+PP = [*TINY, "--training.global_batch_size", "8", "--job.custom_import", "tests.helpers.variant_models",
       "--model.name", "llama3_4l"]
 
 
