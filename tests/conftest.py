@@ -47,6 +47,18 @@ def check_ok(proc: subprocess.CompletedProcess) -> None:
         f"exit {proc.returncode}\nSTDOUT\n{proc.stdout[-4000:]}\nSTDERR\n{proc.stderr[-6000:]}")
 
 
+def fails_with(proc: subprocess.CompletedProcess, *fragments: str, torchrun: bool = False) -> None:
+    """The run failed with exactly one `kiln: error:` line containing every fragment, and no Python
+    traceback from Kiln (under torchrun, torchrun's own failure summary follows our line)."""
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    err = proc.stderr
+    assert ('train.py", line' not in err) if torchrun else ("Traceback" not in err), err[-4000:]
+    ours = [line for line in err.splitlines() if line.startswith("kiln: error:")]
+    assert len(ours) == 1, err[-4000:]
+    for fragment in fragments:
+        assert fragment in ours[0], (fragment, ours[0])
+
+
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory) -> Path:
     """One tokenized copy of the corpus shared by every end-to-end run of the session."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from conftest import TINY, check_ok, read_metrics, run_train, train_rows
+from conftest import TINY, check_ok, fails_with, read_metrics, run_train, train_rows
 
 CKPT = ["--training.steps", "20", "--checkpoint.enable", "--checkpoint.interval", "5"]
 
@@ -136,7 +136,7 @@ def test_keep_latest_and_load_step(single, tmp_path, data_cache):
     # load_step behind newer checkpoints would fork the run inside one folder: refused...
     again = tmp_path / "again"
     shutil.copytree(single / "checkpoint", again / "checkpoint")
-    _fails_with(run_train(args_for(again, data_cache, "--checkpoint.load_step", "5")),
+    fails_with(run_train(args_for(again, data_cache, "--checkpoint.load_step", "5")),
                 "load_step 5", "older than step-20", "initial_load_path")
     # ...and done in a new folder, from that step's whole state: the original continuation.
     fork = tmp_path / "fork"
@@ -196,15 +196,6 @@ def test_model_only_export_dtype(tmp_path, data_cache):
     assert {str(m.properties.dtype) for m in meta.state_dict_metadata.values()} == {"torch.bfloat16"}
 
 
-def _fails_with(proc, *fragments):
-    assert proc.returncode != 0
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("kiln: error:")]
-    assert len(lines) == 1, proc.stderr
-    assert "Traceback" not in proc.stderr
-    for f in fragments:
-        assert f in lines[0], (f, lines[0])
-
-
 def _snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
@@ -213,19 +204,19 @@ def test_bad_checkpoints_are_clear_errors_and_touch_nothing(single, tmp_path, da
     run = tmp_path / "run"
     shutil.copytree(single / "checkpoint", run / "checkpoint")
     before = _snapshot(run / "checkpoint")
-    _fails_with(run_train(args_for(run, data_cache, "--checkpoint.load_step", "7")),
+    fails_with(run_train(args_for(run, data_cache, "--checkpoint.load_step", "7")),
                 "load_step 7", "5, 10, 15, 20")
-    _fails_with(run_train(args_for(run, data_cache, "--model.flavor", "debug", "--training.seq_len", "64")),
+    fails_with(run_train(args_for(run, data_cache, "--model.flavor", "debug", "--training.seq_len", "64")),
                 "tok_embeddings.weight", "[4096, 64]", "[4096, 256]")
     assert _snapshot(run / "checkpoint") == before
     corrupt = tmp_path / "corrupt"
     resume_from(single, 20, corrupt)
     (corrupt / "checkpoint" / "step-20" / ".metadata").write_bytes(b"not a checkpoint")
-    _fails_with(run_train(args_for(corrupt, data_cache)), "step-20")
+    fails_with(run_train(args_for(corrupt, data_cache)), "step-20")
     blocked = tmp_path / "blocked"
     blocked.mkdir()
     (blocked / "checkpoint").write_text("a file where the folder should be")
-    _fails_with(run_train(args_for(blocked, data_cache)), "not writable")
+    fails_with(run_train(args_for(blocked, data_cache)), "not writable")
 
 
 def test_initial_load_path_and_exclusions(single, tmp_path, data_cache):
@@ -254,7 +245,7 @@ def test_initial_load_path_and_exclusions(single, tmp_path, data_cache):
 
 def test_changed_data_order_is_refused_unless_excluded(single, tmp_path, data_cache):
     resume_from(single, 10, tmp_path)
-    _fails_with(run_train(args_for(tmp_path, data_cache, "--training.global_batch_size", "16")),
+    fails_with(run_train(args_for(tmp_path, data_cache, "--training.global_batch_size", "16")),
                 "global_batch_size 8", "uses 16", "exclude_from_loading")
     proc = run_train(args_for(tmp_path, data_cache, "--training.global_batch_size", "16",
                               "--checkpoint.exclude_from_loading", "dataloader"))

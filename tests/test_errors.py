@@ -1,17 +1,7 @@
 """Bad input ends with one clear message naming the culprit, a non-zero exit and no traceback."""
 
 import pytest
-from conftest import TINY, run_train
-
-
-def _fails_with(proc, *fragments: str) -> None:
-    assert proc.returncode != 0, proc.stdout
-    err = proc.stderr
-    assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.startswith("kiln: error:")]
-    assert len(lines) == 1, err
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
+from conftest import TINY, fails_with, run_train
 
 
 @pytest.mark.parametrize("args,fragments", [
@@ -31,66 +21,40 @@ def _fails_with(proc, *fragments: str) -> None:
     (["--training.seq_len", "4096"], ["seq_len 4096", "max_seq_len"]),
 ], ids=lambda v: v[0] if isinstance(v, list) and v and str(v[0]).startswith("--") else None)
 def test_bad_input_single_process(args, fragments, tmp_path):
-    _fails_with(run_train([*TINY, "--job.dump_folder", str(tmp_path), *args]), *fragments)
+    fails_with(run_train([*TINY, "--job.dump_folder", str(tmp_path), *args]), *fragments)
 
 
 def test_malformed_toml_names_the_line(tmp_path):
     cfg = tmp_path / "bad.toml"
     cfg.write_text('[training]\nsteps = 3\nseq_len = = 64\n')
-    _fails_with(run_train(["--config", str(cfg), "--job.dump_folder", str(tmp_path)]),
+    fails_with(run_train(["--config", str(cfg), "--job.dump_folder", str(tmp_path)]),
                 "bad.toml", "line 3")
 
 
 def test_corpus_too_short(tmp_path):
     corpus = tmp_path / "tiny.jsonl"
     corpus.write_text('{"text": "To be, or not to be."}\n')
-    _fails_with(run_train([*TINY, "--job.dump_folder", str(tmp_path),
+    fails_with(run_train([*TINY, "--job.dump_folder", str(tmp_path),
                            "--training.dataset_path", str(corpus)]), "too short")
 
 
 def test_vocab_mismatch(tmp_path):
     # The 1B flavor's vocabulary is larger; a larger tokenizer than the model is the error case,
     # so point a small flavor at a model whose vocab is smaller than the tokenizer's.
-    _fails_with(run_train([*TINY, "--job.dump_folder", str(tmp_path), "--job.custom_import",
+    fails_with(run_train([*TINY, "--job.dump_folder", str(tmp_path), "--job.custom_import",
                            "tests.helpers.variant_models", "--model.name", "small_vocab"]),
                 "4096 tokens", "vocabulary of 1000")
 
 
-def test_heads_not_divisible_by_tp_under_torchrun(tmp_path):
-    # tiny has 4 heads: TP 3 cannot split them (3 ranks, dp 1).
-    proc = run_train([*TINY, "--job.dump_folder", str(tmp_path),
-                      "--parallelism.tensor_parallel_degree", "3"], nproc=3)
-    assert proc.returncode != 0
-    ours = [line for line in proc.stderr.splitlines() if line.startswith("kiln: error:")]
-    assert len(ours) == 1 and "4 attention heads" in ours[0], proc.stderr
-    assert 'File "' + "train.py" not in proc.stderr  # no Python traceback from our ranks
-
-
-def test_degrees_not_matching_world_under_torchrun(tmp_path):
-    proc = run_train([*TINY, "--job.dump_folder", str(tmp_path),
-                      "--parallelism.data_parallel_shard_degree", "4"], nproc=2)
-    assert proc.returncode != 0
-    ours = [line for line in proc.stderr.splitlines() if line.startswith("kiln: error:")]
-    assert len(ours) == 1 and "world size is 2" in ours[0], proc.stderr
-
-
-def test_async_tp_needs_cuda(tmp_path):
-    proc = run_train([*TINY, "--job.dump_folder", str(tmp_path), "--parallelism.tensor_parallel_degree", "2",
-                      "--parallelism.enable_async_tensor_parallel"], nproc=2)
-    ours = [line for line in proc.stderr.splitlines() if line.startswith("kiln: error:")]
-    assert proc.returncode != 0 and len(ours) == 1 and "CUDA" in ours[0], proc.stderr
-
-
-def test_tp_with_ddp_is_refused(tmp_path):
-    proc = run_train([*TINY, "--job.dump_folder", str(tmp_path), "--parallelism.tensor_parallel_degree", "2",
-                      "--parallelism.data_parallel_replicate_degree", "2",
-                      "--parallelism.data_parallel_shard_degree", "1"], nproc=4)
-    ours = [line for line in proc.stderr.splitlines() if line.startswith("kiln: error:")]
-    assert proc.returncode != 0 and len(ours) == 1 and "DDP" in ours[0], proc.stderr
-
-
-def test_compile_with_tp_is_refused_on_cpu(tmp_path):
-    proc = run_train([*TINY, "--job.dump_folder", str(tmp_path), "--parallelism.tensor_parallel_degree", "2",
-                      "--compile.enable"], nproc=2)
-    ours = [line for line in proc.stderr.splitlines() if line.startswith("kiln: error:")]
-    assert proc.returncode != 0 and len(ours) == 1 and "tensor parallel" in ours[0], proc.stderr
+@pytest.mark.parametrize("nproc,args,fragment", [
+    (3, ["--parallelism.tensor_parallel_degree", "3"], "4 attention heads"),  # tiny has 4 heads
+    (2, ["--parallelism.data_parallel_shard_degree", "4"], "world size is 2"),
+    (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel"], "CUDA"),
+    (4, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree", "2",
+         "--parallelism.data_parallel_shard_degree", "1"], "DDP"),
+    (2, ["--parallelism.tensor_parallel_degree", "2", "--compile.enable"], "tensor parallel"),
+], ids=["heads_not_divisible_by_tp", "degrees_not_matching_world", "async_tp_needs_cuda",
+        "tp_with_ddp", "compile_with_tp_on_cpu"])
+def test_bad_layout_under_torchrun(nproc, args, fragment, tmp_path):
+    fails_with(run_train([*TINY, "--job.dump_folder", str(tmp_path), *args], nproc=nproc), fragment,
+               torchrun=True)
