@@ -52,9 +52,8 @@ def test_vocab_mismatch(tmp_path):
     (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel"], "CUDA"),
     (4, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree", "2",
          "--parallelism.data_parallel_shard_degree", "1"], "DDP"),
-    (2, ["--parallelism.tensor_parallel_degree", "2", "--compile.enable"], "tensor parallel"),
 ], ids=["heads_not_divisible_by_tp", "degrees_not_matching_world", "async_tp_needs_cuda",
-        "tp_with_ddp", "compile_with_tp_on_cpu"])
+        "tp_with_ddp"])
 def test_bad_layout_under_torchrun(nproc, args, fragment, tmp_path):
     fails_with(run_train([*TINY, "--job.dump_folder", str(tmp_path), *args], nproc=nproc), fragment,
                torchrun=True)

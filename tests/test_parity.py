@@ -32,6 +32,9 @@ LAYOUTS = {
                              "--activation_checkpoint.mode", "selective",
                              "--activation_checkpoint.selective_ac_option", "op"]),
     "fsdp2_compile": (2, ["--training.local_batch_size", "4", "--compile.enable"]),
+    "tp2_compile": (2, ["--parallelism.tensor_parallel_degree", "2", "--compile.enable"]),
+    "fsdp2_tp2_compile": (4, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4",
+                              "--compile.enable"]),
 }
 
 

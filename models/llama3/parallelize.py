@@ -77,13 +77,7 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: JobConfig, para
         raise KilnError("parallelism.enable_async_tensor_parallel needs tensor_parallel_degree > 1")
     apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable:
-        if dims.tp > 1 and dims.world_mesh.device_type == "cpu":
-            # Measured on torch 2.13 CPU: compiled attention or feed-forward under TP gives gradients
-            # that drift from eager (tiny model: grad norm +0.6% after 10 steps; eager TP and
-            # compiled single-process both stay within 1e-6). Refused rather than silently off.
-            raise KilnError("compile.enable with tensor parallel is not supported on CPU (its gradients "
-                            "drift from the eager ones on this torch); drop one of the two")
-        apply_compile(model, whole_blocks=dims.tp == 1)
+        apply_compile(model, tensor_parallel=dims.tp > 1)
     if dims.fsdp_enabled:
         policy = mixed_precision(param_dtype, cfg.training.mixed_precision_reduce)
         apply_fsdp(model, dims.fsdp_mesh(), policy, cfg.parallelism.fsdp_reshard_after_forward,
