@@ -43,6 +43,7 @@ from components.preemption import StopRequest
 from components.profiling import maybe_profile
 from components.tokenizer import Tokenizer
 from models import UnknownModelError, get_model_args, get_model_spec
+from parallelisms.context_parallel import head_tail_positions, shard_sequence
 from parallelisms.fsdp import set_gradient_sync
 from parallelisms.materialize import materialize_and_init
 from parallelisms.parallel_dims import ParallelDims
@@ -94,8 +95,15 @@ class Trainer:
                               seq_len=t.seq_len, vocab_size=args.vocab_size)
         self.dims.build_mesh(info.device.type)
         dp_mesh = self.dims.mesh("dp")
-        self.dp_group = dp_mesh.get_group() if dp_mesh is not None else None
         self.dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
+        # Ranks that hold different tokens of a step (data and context parallel): losses and token
+        # counts are summed over them.
+        loss_mesh = self.dims.mesh("dp_cp")
+        self.loss_group = loss_mesh.get_group() if loss_mesh is not None else None
+        # Under context parallel each rank keeps its head-tail share of every sequence.
+        cp_mesh = self.dims.mesh("cp")
+        self.cp_positions = (head_tail_positions(t.seq_len, self.dims.cp, cp_mesh.get_local_rank())
+                             if cp_mesh is not None else None)
         dp = self.dims.dp
         self.global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp
 
@@ -228,10 +236,13 @@ class Trainer:
             mode = f"DDP over {d.dp_replicate} ranks"
         else:
             mode = "no data parallelism"
+        if d.cp > 1:
+            cp = f"CP {d.cp} ({self.cfg.parallelism.context_parallel_rotate_method}, head-tail load balanced)"
+            mode = f"{cp} × {mode}"
         if d.tp > 1:
             loss_par = "on" if self.use_loss_parallel else "off"
             tp = f"TP {d.tp} (sequence parallel, loss parallel {loss_par})"
-            mode = f"{tp} × {mode}" if d.dp > 1 else tp
+            mode = f"{tp} × {mode}" if d.dp * d.cp > 1 else tp
         if d.pp > 1:
             p = self.cfg.parallelism
             pp = (f"PP {d.pp} ({p.pipeline_parallel_schedule}, {self.num_stages} stages, "
@@ -263,14 +274,16 @@ class Trainer:
         Returns this rank's summed loss and token count, and the global grad norm.
         """
         device = self.info.device
-        # Every rank's loss is a sum over its tokens scaled by dp / global tokens: the data-parallel
-        # gradient average (÷ dp) then yields the gradient of the mean over the global batch.
+        # Every rank's loss is a sum over its tokens scaled by dp·cp / global tokens: the gradient
+        # average over data- and context-parallel ranks (÷ dp·cp) then yields the gradient of the
+        # mean over the global batch.
+        microbatches = [self.shard_sequence(x, y) for x, y in microbatches]
         local_tokens = torch.tensor(sum(int((y != IGNORE_INDEX).sum()) for _, y in microbatches),
                                     dtype=torch.float64, device=device)
         global_tokens = local_tokens.clone()
-        if self.dp_group is not None:
-            dist.all_reduce(global_tokens, group=self.dp_group)
-        scale = self.dims.dp / global_tokens.item()
+        if self.loss_group is not None:
+            dist.all_reduce(global_tokens, group=self.loss_group)
+        scale = self.dims.dp * self.dims.cp / global_tokens.item()
         if self.pipeline is not None:
             inputs = torch.cat([x for x, _ in microbatches]).to(device)
             labels = torch.cat([y for _, y in microbatches]).to(device)
@@ -300,11 +313,17 @@ class Trainer:
             opt.zero_grad(set_to_none=True)
         return loss_sum, local_tokens, grad_norm
 
+    def shard_sequence(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of the sequences under context parallel (all of them otherwise)."""
+        if self.cp_positions is None:
+            return inputs, labels
+        return shard_sequence(inputs, self.cp_positions), shard_sequence(labels, self.cp_positions)
+
     def global_mean(self, total: torch.Tensor, count: torch.Tensor) -> float:
-        """sum(total) / sum(count) over the data-parallel ranks."""
+        """sum(total) / sum(count) over the data- and context-parallel ranks."""
         both = torch.stack([total.double(), count.double()])
-        if self.dp_group is not None:
-            dist.all_reduce(both, group=self.dp_group)
+        if self.loss_group is not None:
+            dist.all_reduce(both, group=self.loss_group)
         mean = both[0] / both[1]
         if self.pipeline is not None:  # only the last stage has the loss: share it along the pipeline
             mean = mean if self.pipeline.has_last else torch.zeros_like(mean)
@@ -331,6 +350,7 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float64, device=self.info.device)
         count = torch.zeros((), dtype=torch.float64, device=self.info.device)
         for inputs, labels in self.val_batches:
+            inputs, labels = self.shard_sequence(inputs, labels)
             inputs, labels = inputs.to(self.info.device), labels.to(self.info.device)
             with loss_context(self.use_loss_parallel), self.autocast:
                 if self.pipeline is not None:  # a whole step's rows: the schedule's microbatches
@@ -342,7 +362,7 @@ class Trainer:
             count += (labels != IGNORE_INDEX).sum()
         for part in self.model_parts:
             part.train()
-        tokens = int(count.item()) * self.dims.dp
+        tokens = int(count.item()) * self.dims.dp * self.dims.cp
         self.metrics.log_validation(self.state.step, self.global_mean(total, count), tokens)
 
     def restore(self) -> None:

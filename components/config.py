@@ -178,6 +178,10 @@ class Parallelism:
         "by the rules above"
     )
     context_parallel_degree: int = _opt(1, "ranks a sequence is split over", _ge(1))
+    context_parallel_rotate_method: Literal["allgather", "ring"] = _opt(
+        "allgather", "how context-parallel attention sees the other ranks' keys/values: all-gather them, "
+        "or pass them around a ring (less memory)"
+    )
     expert_parallel_degree: int = _opt(1, "ranks an MoE layer's experts are split over", _ge(1))
 
 

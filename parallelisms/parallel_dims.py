@@ -93,10 +93,11 @@ class ParallelDims:
                     f"tensor_parallel_degree {self.tp} must divide the vocabulary size {vocab_size} "
                     f"(the embedding and output head are split over it)"
                 )
-            if seq_len % self.tp != 0:
+            if seq_len % (self.tp * self.cp) != 0:
                 raise KilnError(
                     f"training.seq_len {seq_len} must be divisible by tensor_parallel_degree "
-                    f"{self.tp} (sequence parallel shards the sequence)"
+                    f"{self.tp}" + (f" × context_parallel_degree {self.cp}" if self.cp > 1 else "")
+                    + " (sequence parallel shards each rank's sequence)"
                 )
         if self.cp > 1 and seq_len % (2 * self.cp) != 0:
             raise KilnError(

@@ -19,6 +19,8 @@ from conftest import TINY, fails_with, run_train
     (["--training.dataset_path", "/no/such/corpus.jsonl"], ["/no/such/corpus.jsonl"]),
     (["--model.tokenizer_path", "/no/tokenizer.json"], ["/no/tokenizer.json"]),
     (["--training.seq_len", "4096"], ["seq_len 4096", "max_seq_len"]),
+    (["--parallelism.context_parallel_rotate_method", "spiral"],
+     ["context_parallel_rotate_method", "spiral", "allgather", "ring"]),
 ], ids=lambda v: v[0] if isinstance(v, list) and v and str(v[0]).startswith("--") else None)
 def test_bad_input_single_process(args, fragments, tmp_path):
     fails_with(run_train([*TINY, "--job.dump_folder", str(tmp_path), *args]), *fragments)
@@ -52,8 +54,12 @@ def test_vocab_mismatch(tmp_path):
     (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel"], "CUDA"),
     (4, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree", "2",
          "--parallelism.data_parallel_shard_degree", "1"], "DDP"),
+    (2, ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "62"],
+     "2 × context_parallel_degree"),
+    (4, ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree", "2"],
+     "HSDP combined with context parallel"),
 ], ids=["heads_not_divisible_by_tp", "degrees_not_matching_world", "async_tp_needs_cuda",
-        "tp_with_ddp"])
+        "tp_with_ddp", "seq_not_divisible_by_2cp", "hsdp_with_cp"])
 def test_bad_layout_under_torchrun(nproc, args, fragment, tmp_path):
     fails_with(run_train([*TINY, "--job.dump_folder", str(tmp_path), *args], nproc=nproc), fragment,
                torchrun=True)

@@ -8,6 +8,8 @@ import pytest
 from conftest import TINY, check_ok, run_train, train_rows
 
 GLOBAL_BATCH = ["--training.global_batch_size", "8"]
+CP2 = ["--parallelism.context_parallel_degree", "2"]
+RING = ["--parallelism.context_parallel_rotate_method", "ring"]
 
 LAYOUTS = {
     "fsdp2": (2, ["--training.local_batch_size", "4"]),
@@ -31,6 +33,13 @@ LAYOUTS = {
     "tp2_ac_selective": (2, ["--parallelism.tensor_parallel_degree", "2",
                              "--activation_checkpoint.mode", "selective",
                              "--activation_checkpoint.selective_ac_option", "op"]),
+    # Context parallel (head-tail sharded sequence), both rotate methods, alone and composed.
+    "cp2_allgather": (2, [*CP2]),
+    "cp2_ring": (2, [*CP2, *RING]),
+    "cp4_ring": (4, ["--parallelism.context_parallel_degree", "4", *RING]),
+    "fsdp2_cp2": (4, [*CP2, "--training.local_batch_size", "4"]),
+    "tp2_cp2_ring": (4, [*CP2, "--parallelism.tensor_parallel_degree", "2", *RING]),
+    "pp2_cp2": (4, [*CP2, "--parallelism.pipeline_parallel_degree", "2"]),
     "fsdp2_compile": (2, ["--training.local_batch_size", "4", "--compile.enable"]),
     "tp2_compile": (2, ["--parallelism.tensor_parallel_degree", "2", "--compile.enable"]),
     "fsdp2_tp2_compile": (4, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4",

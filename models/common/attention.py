@@ -7,8 +7,17 @@ from torch import nn
 from models.common.rope import apply_rope
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA over [batch, heads, seq, head_dim]; fewer k/v heads are shared by query groups."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
 class Attention(nn.Module):
-    """Multi-head attention where n_kv_heads key/value heads are shared by groups of query heads."""
+    """Multi-head attention where n_kv_heads key/value heads are shared by groups of query heads.
+
+    `core_attention` (q, k, v → output) is plain causal SDPA; context parallel swaps it for one
+    that also attends to the other ranks' keys (parallelisms/context_parallel.py).
+    """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
         super().__init__()
@@ -21,6 +30,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.core_attention = causal_attention
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -28,11 +38,12 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
-        # The table covers max_seq_len; this attention sees the whole sequence (gathered under SP).
+        # The table covers max_seq_len (or this rank's positions under context parallel); this
+        # attention sees the whole sequence (gathered under SP).
         rope = rope[:seqlen]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bsz, heads, seq, head_dim]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        out = self.core_attention(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, std_out: float) -> None:

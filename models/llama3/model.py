@@ -80,6 +80,8 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Not persistent: recomputed by init_buffers(), never stored in checkpoints.
         self.register_buffer("rope_cache", self._make_rope_cache(), persistent=False)
+        # Context parallel sets the sequence positions this rank holds (None: 0..seq_len-1).
+        self.rope_positions: torch.Tensor | None = None
 
     def _make_rope_cache(self) -> torch.Tensor:
         a = self.args
@@ -91,8 +93,11 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # Attention slices the table to its sequence length: under sequence parallel (and on a
         # later pipeline stage) h holds only a slice of the sequence.
+        rope = self.rope_cache
+        if self.rope_positions is not None:
+            rope = rope.index_select(0, self.rope_positions.to(rope.device))
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache)
+            h = layer(h, rope)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -1,4 +1,4 @@
-"""Apply Kiln's parallelisms to a Llama model, in the fixed order TP → AC → compile → FSDP/HSDP or DDP."""
+"""Apply Kiln's parallelisms to a Llama model in the fixed order TP → CP → AC → compile → FSDP/HSDP/DDP."""
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -14,6 +14,7 @@ from components.config import JobConfig
 from components.errors import KilnError
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.compile import apply_compile
+from parallelisms.context_parallel import apply_cp
 from parallelisms.fsdp import apply_ddp, apply_fsdp, mixed_precision
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import apply_tp, enable_async_tp
@@ -55,10 +56,9 @@ def llama_tp_plan(loss_parallel: bool) -> tuple[dict[str, ParallelStyle], dict[s
 
 def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: JobConfig, param_dtype: str) -> nn.Module:
     """Turn the plain (meta-device) model into this rank's part of the parallel model, in place."""
-    for name, degree in (("context", dims.cp), ("expert", dims.ep)):
-        if degree > 1:
-            raise KilnError(f"{name} parallelism is not available in this version of Kiln yet "
-                            f"(parallelism.{name}_parallel_degree = {degree})")
+    if dims.ep > 1:
+        raise KilnError("expert parallelism is not available in this version of Kiln yet "
+                        f"(parallelism.expert_parallel_degree = {dims.ep})")
     if dims.tp > 1:
         if dims.ddp_enabled:
             raise KilnError("DDP cannot be combined with tensor parallel; use FSDP or HSDP "
@@ -75,6 +75,8 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: JobConfig, para
                 raise KilnError(str(e)) from None
     elif cfg.parallelism.enable_async_tensor_parallel:
         raise KilnError("parallelism.enable_async_tensor_parallel needs tensor_parallel_degree > 1")
+    if dims.cp > 1:
+        apply_cp(model, dims.mesh("cp"), cfg.training.seq_len, cfg.parallelism.context_parallel_rotate_method)
     apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable:
         apply_compile(model, tensor_parallel=dims.tp > 1)

@@ -1,0 +1,93 @@
+"""Context parallel: the sequence split over cp ranks, attention still over the whole sequence.
+
+Sharding is load-balanced for causal attention ("head-tail"): the sequence is cut into 2·cp
+chunks and rank i keeps chunks i and 2·cp−1−i, so every rank has the same amount of unmasked
+attention work. Inputs, labels and RoPE positions are sharded the same way; the model then runs
+on S/cp tokens per rank and only attention talks to the other ranks, in one of two ways:
+- `allgather`: gather every rank's K and V (autograd through the gather) and attend with the
+  causal mask of this rank's positions (memory for attention scores falls as 1/cp);
+- `ring`: pass K/V chunks around the ring and merge partial results by their log-sum-exp
+  (parallelisms/ring_attention.py; memory per step is one chunk pair).
+
+Kiln's own implementation on every device: torch's `context_parallel` fails on CPU (no sharding
+strategy for the CPU SDPA kernels, see TORCH_ON_CPU.md) and shards buffers with its own layout,
+which would tie Kiln's data and RoPE positions to a private API.
+"""
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._functional_collectives import all_gather_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+
+from parallelisms.ring_attention import ring_attention
+
+ROTATE_METHODS = ("allgather", "ring")
+
+
+def head_tail_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The sequence positions this cp rank keeps: chunk `rank` then chunk `2·cp−1−rank`."""
+    if seq_len % (2 * cp) != 0:
+        raise ValueError(f"seq_len {seq_len} is not divisible by 2 × cp = {2 * cp}")
+    chunk = seq_len // (2 * cp)
+    first, second = rank, 2 * cp - 1 - rank
+    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk),
+                      torch.arange(second * chunk, (second + 1) * chunk)])
+
+
+def shard_sequence(t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """This rank's tokens of a [batch, seq, ...] tensor."""
+    return t.index_select(1, positions.to(t.device))
+
+
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
+                        positions: torch.Tensor, all_positions: torch.Tensor) -> torch.Tensor:
+    """Causal attention of local queries over the keys/values of every cp rank.
+
+    q [b, heads, s_local, d], k/v [b, kv_heads, s_local, d]; K and V are gathered along the
+    sequence in rank order (their positions are all_positions), and the mask allows a key when
+    its position is not after the query's.
+    """
+    # One collective for K and V, along dim 0 (the sequence moved there), with autograd: the
+    # backward reduce-scatters the gradients back to the ranks that own the keys.
+    kv = torch.stack([k, v]).movedim(3, 0).contiguous()  # [s_local, 2, b, kv_heads, d]
+    k_all, v_all = all_gather_single_autograd(kv, gather_dim=0, group=group).movedim(0, 3)
+    mask = positions.to(q.device)[:, None] >= all_positions.to(q.device)[None, :]
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+class ContextParallelAttention:
+    """The core-attention callable that apply_cp installs in every attention module."""
+
+    def __init__(self, cp_mesh: DeviceMesh, seq_len: int, rotate_method: str) -> None:
+        if rotate_method not in ROTATE_METHODS:
+            raise ValueError(f"context_parallel_rotate_method must be one of {', '.join(ROTATE_METHODS)}, "
+                             f"got {rotate_method!r}")
+        self.group = cp_mesh.get_group()
+        self.cp, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
+        self.method = rotate_method
+        self.positions = head_tail_positions(seq_len, self.cp, self.rank)
+        self.all_positions = torch.cat([head_tail_positions(seq_len, self.cp, r) for r in range(self.cp)])
+
+    @torch._dynamo.disable  # point-to-point and gathers stay outside compiled graphs
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.method == "allgather":
+            return allgather_attention(q, k, v, self.group, self.positions, self.all_positions)
+        return ring_attention(q, k, v, self.group)
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, rotate_method: str) -> None:
+    """Make the model run on this rank's head-tail share of the sequence.
+
+    The model's RoPE table is read at this rank's positions (`rope_positions`), and every module
+    with a `core_attention` attribute gets the context-parallel attention.
+    """
+    core: Callable = ContextParallelAttention(cp_mesh, seq_len, rotate_method)
+    model.rope_positions = core.positions
+    for module in model.modules():
+        if hasattr(module, "core_attention"):
+            module.core_attention = core
