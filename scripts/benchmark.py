@@ -119,6 +119,30 @@ def memory_table(cache: Path) -> None:
         print(f"| {name:<28} | {rows[-1]['mem_gib']:>7.2f} GiB | {rows[-1]['tps']:>9,.0f} |")
 
 
+def cp_table(cache: Path, seq_len: int) -> None:
+    """Peak memory (RSS of rank 0) and tokens/s of one long sequence at CP 1, 2, 4, per rotate method."""
+    print(f"\n| {f'context parallel (seq {seq_len})':<32} | {'peak memory':>11} | {'tokens/s':>9} |")
+    print(f"|{'-' * 34}|{'-' * 13}|{'-' * 11}|")
+    runs = [(1, "allgather")] + [(cp, m) for cp in (2, 4) for m in ("allgather", "ring")]
+    for cp, method in runs:
+        with tempfile.TemporaryDirectory() as dump:
+            args = ["--config", "llama_debug", "--training.seq_len", str(seq_len),
+                    "--training.local_batch_size", "1", "--training.global_batch_size", "1",
+                    "--training.steps", "3", "--metrics.log_freq", "1", "--job.dump_folder", dump,
+                    "--training.data_cache_dir", str(cache),
+                    "--parallelism.context_parallel_degree", str(cp),
+                    "--parallelism.context_parallel_rotate_method", method]
+            cmd = ([sys.executable, "train.py"] if cp == 1 else
+                   [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}",
+                    "train.py"])
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            subprocess.run([*cmd, *args], cwd=REPO, env=env, check=True, capture_output=True)
+            rows = [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
+        name = "CP 1 (one process)" if cp == 1 else f"CP {cp} {method}"
+        tps = rows[-1]["tps"] * cp  # tps is per device
+        print(f"| {name:<32} | {rows[-1]['mem_gib']:>7.2f} GiB | {tps:>9,.0f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=30)
@@ -129,7 +153,8 @@ def main() -> None:
     ap.add_argument("--tables", default="overhead",
                     help="comma-separated: overhead (Kiln vs plain loop, FSDP 2 vs 1), parallel "
                          "(FSDP/TP layouts × AC/compile), memory (peak memory per AC mode), pipeline "
-                         "(step time per schedule)")
+                         "(step time per schedule), cp (peak memory of a long sequence per CP degree)")
+    ap.add_argument("--cp-seq-len", type=int, default=8192, help="sequence length of the cp table")
     a = ap.parse_args()
     tables = set(a.tables.split(","))
     cache = Path(tempfile.mkdtemp(prefix="kiln-bench-"))
@@ -138,6 +163,8 @@ def main() -> None:
         overhead_table(a, cache)
     if "parallel" in tables:
         parallel_table(a, cache)
+    if "cp" in tables:
+        cp_table(cache, a.cp_seq_len)
     if "memory" in tables:
         memory_table(cache)
     if "pipeline" in tables:

@@ -8,7 +8,8 @@ _LLAMA32_SCALING = RopeScaling(scale_factor=32.0, low_freq_factor=1.0, high_freq
 
 LLAMA3_FLAVORS: dict[str, LlamaArgs] = {
     # vocab 4096 = the embedded Shakespeare tokenizer (assets/tokenizer/tokenizer.json).
-    "debug": LlamaArgs(dim=256, n_layers=6, n_heads=16, vocab_size=4096, rope_theta=500000),
+    # max_seq_len 8192 leaves room for long-context (context-parallel) experiments.
+    "debug": LlamaArgs(dim=256, n_layers=6, n_heads=16, vocab_size=4096, rope_theta=500000, max_seq_len=8192),
     # A still smaller shape for fast multi-process tests.
     "tiny": LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=64),
     "1B": LlamaArgs(
