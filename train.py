@@ -37,6 +37,13 @@ from components.gc_control import GarbageCollection
 from components.grad_norm import clip_grad_norm
 from components.loss import IGNORE_INDEX, cross_entropy_sum
 from components.metrics import MetricsLogger
+from components.moe_load import (
+    balance_experts,
+    imbalance,
+    moe_layers,
+    reset_expert_load,
+    set_aux_loss_scale,
+)
 from components.optim import build_lr_scheduler, build_optimizer
 from components.peak_flops import peak_flops
 from components.preemption import StopRequest
@@ -141,6 +148,9 @@ class Trainer:
         self.loss_fn = (torch.compile(cross_entropy_sum) if cfg.compile.enable and not self.use_loss_parallel
                         else cross_entropy_sum)
 
+        # MoE layers (if any): their expert load moves the expert bias after each step.
+        self.moe_layers = moe_layers(self.model_parts)
+        self.expert_load: dict[str, list[int]] = {}
         self.pipeline = self._pipeline() if self.dims.pp > 1 else None
 
         # One optimizer and LR schedule per model part (pipeline stages keep separate state dicts).
@@ -207,7 +217,7 @@ class Trainer:
                             f"as pipeline ranks ({self.dims.pp}); a step gives {n_microbatches} "
                             f"({rows} rows / microbatch size {size})")
         stages = build_stages(self.model_parts, self.stage_ids, self.num_stages, self.info.device,
-                              self.dims.mesh("pp"))
+                              self.dims.mesh("pp"), lambda: reset_expert_load(self.moe_layers))
         return PipelineRunner(p.pipeline_parallel_schedule, stages, n_microbatches, self.loss_fn,
                               self.num_stages)
 
@@ -284,6 +294,7 @@ class Trainer:
         if self.loss_group is not None:
             dist.all_reduce(global_tokens, group=self.loss_group)
         scale = self.dims.dp * self.dims.cp / global_tokens.item()
+        set_aux_loss_scale(self.moe_layers, scale)
         if self.pipeline is not None:
             inputs = torch.cat([x for x, _ in microbatches]).to(device)
             labels = torch.cat([y for _, y in microbatches]).to(device)
@@ -307,11 +318,24 @@ class Trainer:
                                    pp_mesh.get_group() if pp_mesh is not None else None)
         for opt in self.optimizers:
             opt.step()
+        self.expert_load = balance_experts(self.moe_layers, self.loss_group)
         for sched in self.schedulers:
             sched.step()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         return loss_sum, local_tokens, grad_norm
+
+    def moe_metrics(self) -> dict:
+        """This step's tokens per expert and max/mean imbalance of every MoE layer (all stages)."""
+        load = self.expert_load
+        if self.pipeline is not None:
+            stages: list[dict] = [{} for _ in range(self.dims.pp)]
+            dist.all_gather_object(stages, load, group=self.dims.mesh("pp").get_group())
+            load = {k: v for stage in stages for k, v in stage.items()}
+        if not load:
+            return {}
+        load = dict(sorted(load.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0))
+        return {"moe_load": load, "moe_imbalance": {k: round(v, 4) for k, v in imbalance(load).items()}}
 
     def shard_sequence(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of the sequences under context parallel (all of them otherwise)."""
@@ -432,7 +456,8 @@ class Trainer:
                 last = st.step == t.steps
                 if st.step % cfg.metrics.log_freq == 0 or last:
                     loss = self.global_mean(loss_sum, local_tokens)
-                    self.metrics.log_step(st.step, loss, grad_norm.item(), lr, st.tokens_seen)
+                    self.metrics.log_step(st.step, loss, grad_norm.item(), lr, st.tokens_seen,
+                                          self.moe_metrics())
                 if cfg.validation.enable and (st.step % cfg.validation.freq == 0 or last):
                     self.validate()
                 preempted = stop.agreed(self.info.device)

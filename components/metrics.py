@@ -66,8 +66,10 @@ class MetricsLogger:
         """Add the tokens this device processed in a step (called every step)."""
         self._tokens_since += tokens_per_device
 
-    def log_step(self, step: int, loss: float, grad_norm: float, lr: float, tokens: int) -> dict:
-        """Emit one training row; `tokens` is the total trained on so far (all devices)."""
+    def log_step(self, step: int, loss: float, grad_norm: float, lr: float, tokens: int,
+                 extra: dict | None = None) -> dict:
+        """Emit one training row; `tokens` is the total trained on so far (all devices); `extra`
+        joins the row (MoE: moe_load and moe_imbalance per layer)."""
         now = time.perf_counter()
         elapsed = max(now - self._last_time, 1e-9)
         tps = self._tokens_since / elapsed
@@ -78,13 +80,18 @@ class MetricsLogger:
             "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
             "tps": round(tps, 2), "tflops": round(tflops, 5), "mfu": round(mfu, 4),
             "mem_gib": round(memory_gib(self.device), 4), "time": round(now - self.start, 3),
+            **(extra or {}),
         }
         if self.is_main:
             width = len(str(self.total_steps))
+            moe = ""
+            if row.get("moe_imbalance"):
+                worst = max(row["moe_imbalance"].items(), key=lambda kv: kv[1])
+                moe = f"  experts max/mean {worst[1]:.2f} (layer {worst[0]})"
             print(
                 f"step {step:>{width}}/{self.total_steps}  loss {loss:7.4f}  grad {grad_norm:7.3f}  "
                 f"lr {lr:.2e}  {tps:9,.0f} tok/s/dev  {tflops:6.3f} TFLOP/s  MFU {mfu:5.2f}%  "
-                f"mem {row['mem_gib']:.2f} GiB",
+                f"mem {row['mem_gib']:.2f} GiB{moe}",
                 flush=True,
             )
             self._write(row)
@@ -104,6 +111,9 @@ class MetricsLogger:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self._writer.add_scalar(key, value, row["step"])
+                elif key == "moe_imbalance":
+                    for layer, ratio in value.items():
+                        self._writer.add_scalar(f"moe_imbalance/layer_{layer}", ratio, row["step"])
 
     def close(self) -> None:
         if self._file is not None:

@@ -67,4 +67,4 @@ def registered_models() -> list[str]:
 
 
 # Built-in families register themselves on import (one line per family).
-from models import llama3  # noqa: E402,F401
+from models import llama3, moe  # noqa: E402,F401

@@ -27,6 +27,9 @@ class ParallelDims:
     ep: int
     world_size: int
     world_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    # With expert parallel, a second mesh over the same ranks for expert weights:
+    # (pp, dp_replicate, dp_shard_mod_ep, ep, tp), where dp_shard × cp = dp_shard_mod_ep × ep.
+    expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _views: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -127,12 +130,21 @@ class ParallelDims:
             present = tuple(p for p in parts if p in names)
             if present:
                 self._views[view] = mesh[present]._flatten(view) if len(present) > 1 else mesh[present[0]]
+        if self.ep > 1:
+            # Same rank order as the world mesh: dp_shard × cp (row-major) splits into (rest, ep).
+            dims = {"pp": self.pp, "dp_replicate": self.dp_replicate,
+                    "dp_shard_mod_ep": self.dp_shard * self.cp // self.ep, "ep": self.ep, "tp": self.tp}
+            keep = [n for n, d in dims.items() if d > 1 or n in ("dp_shard_mod_ep", "ep")]
+            self.expert_mesh = init_device_mesh(device_type, tuple(dims[n] for n in keep),
+                                                mesh_dim_names=tuple(keep))
         return mesh
 
     def mesh(self, name: str) -> DeviceMesh | None:
         """A named dim or flattened view of the world mesh; None when that dim has degree 1."""
         if self.world_mesh is None:
             return None
+        if name in ("ep", "dp_shard_mod_ep"):
+            return self.expert_mesh[name] if self.expert_mesh is not None else None
         if name in self._views:
             return self._views[name]
         if name in (self.world_mesh.mesh_dim_names or ()):
@@ -149,8 +161,16 @@ class ParallelDims:
             return self.world_mesh[("dp_replicate", "dp_shard")]
         return self.mesh("dp_shard_cp")
 
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP shards expert weights over: what dp_shard × cp leaves after ep (with HSDP,
+        2-D with dp_replicate). It may have size 1: experts then live on one rank each."""
+        if self.dp_replicate > 1:
+            return self.expert_mesh[("dp_replicate", "dp_shard_mod_ep")]
+        return self.expert_mesh["dp_shard_mod_ep"]
+
     def release(self) -> None:
         """Drop every mesh reference (a live mesh at exit can abort the process, see TORCH_ON_CPU.md)."""
         self._views.clear()
         self.world_mesh = None
+        self.expert_mesh = None
 

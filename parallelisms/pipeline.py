@@ -104,11 +104,29 @@ def make_stage_model(whole: nn.Module, layers: list[int], first: bool, last: boo
 
 
 def build_stages(parts: list[nn.Module], ids: list[int], num_stages: int, device: torch.device,
-                 pp_mesh: DeviceMesh) -> list[PipelineStage]:
-    """Wrap each (parallelized, materialised) model part in a PipelineStage."""
+                 pp_mesh: DeviceMesh, after_metadata_inference: Callable[[], None] | None = None
+                 ) -> list[PipelineStage]:
+    """Wrap each (parallelized, materialised) model part in a PipelineStage.
+
+    On the first step each stage runs a forward and backward of one microbatch to learn the
+    shapes it sends; after_metadata_inference() runs once that is done, before the real
+    microbatches (it undoes side effects of that extra pass, e.g. MoE load counts).
+    """
     group = pp_mesh.get_group()
-    return [PipelineStage(part, stage_index=i, num_stages=num_stages, device=device, group=group)
-            for part, i in zip(parts, ids, strict=True)]
+    stages = [PipelineStage(part, stage_index=i, num_stages=num_stages, device=device, group=group)
+              for part, i in zip(parts, ids, strict=True)]
+    if after_metadata_inference is not None:
+        for stage in stages:
+            # torch 2.13 has no public hook here; its schedules call this private method on every
+            # stage right after metadata inference.
+            cleanup = stage._post_metadata_inference_cleanup
+
+            def cleanup_then_hook(cleanup: Callable[[], None] = cleanup) -> None:
+                cleanup()
+                after_metadata_inference()
+
+            stage._post_metadata_inference_cleanup = cleanup_then_hook
+    return stages
 
 
 def build_schedule(name: str, stages: list[PipelineStage], n_microbatches: int,

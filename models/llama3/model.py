@@ -67,13 +67,16 @@ class Transformer(nn.Module):
 
     Layers live in a ModuleDict keyed by index so that a pipeline stage that deletes some keeps
     the original parameter names; every submodule may be None on a stage that does not own it.
+    A family that changes only the block (MoE) subclasses this and sets `block_cls`.
     """
+
+    block_cls: type[nn.Module] = TransformerBlock
 
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.block_cls(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:

@@ -1,6 +1,9 @@
 """Apply Kiln's parallelisms to a Llama model in the fixed order TP → CP → AC → compile → FSDP/HSDP/DDP."""
 
+from collections.abc import Callable
+
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -57,8 +60,16 @@ def llama_tp_plan(loss_parallel: bool) -> tuple[dict[str, ParallelStyle], dict[s
 def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: JobConfig, param_dtype: str) -> nn.Module:
     """Turn the plain (meta-device) model into this rank's part of the parallel model, in place."""
     if dims.ep > 1:
-        raise KilnError("expert parallelism is not available in this version of Kiln yet "
-                        f"(parallelism.expert_parallel_degree = {dims.ep})")
+        raise KilnError(f"expert_parallel_degree {dims.ep} needs a Mixture-of-Experts model "
+                        f"(e.g. --model.name moe); {cfg.model.name} is dense")
+    _, block = llama_tp_plan(loss_parallel=not cfg.parallelism.disable_loss_parallel)
+    tensor_parallelize(model, dims, cfg, lambda _: block)
+    return finish_parallelize(model, dims, cfg, param_dtype)
+
+
+def tensor_parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig,
+                       block_plan: Callable[[nn.Module], dict[str, ParallelStyle]]) -> None:
+    """TP with the Llama top-level plan and block_plan(block) for each block (and async TP if asked)."""
     if dims.tp > 1:
         if dims.ddp_enabled:
             raise KilnError("DDP cannot be combined with tensor parallel; use FSDP or HSDP "
@@ -66,8 +77,8 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: JobConfig, para
         if model.args.tie_embeddings:
             raise KilnError("tensor parallel does not support tied embeddings (the embedding is "
                             "split by rows, the output head by columns)")
-        top, block = llama_tp_plan(loss_parallel=not cfg.parallelism.disable_loss_parallel)
-        apply_tp(model, dims.mesh("tp"), top, block)
+        top, _ = llama_tp_plan(loss_parallel=not cfg.parallelism.disable_loss_parallel)
+        apply_tp(model, dims.mesh("tp"), top, block_plan)
         if cfg.parallelism.enable_async_tensor_parallel:
             try:
                 enable_async_tp(dims.mesh("tp"), dims.world_mesh.device_type, cfg.compile.enable)
@@ -75,6 +86,11 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: JobConfig, para
                 raise KilnError(str(e)) from None
     elif cfg.parallelism.enable_async_tensor_parallel:
         raise KilnError("parallelism.enable_async_tensor_parallel needs tensor_parallel_degree > 1")
+
+
+def finish_parallelize(model: nn.Module, dims: ParallelDims, cfg: JobConfig, param_dtype: str,
+                       before_fsdp: Callable[[MixedPrecisionPolicy], None] | None = None) -> nn.Module:
+    """CP → AC → compile → FSDP/HSDP or DDP; before_fsdp(policy) may shard some modules first."""
     if dims.cp > 1:
         apply_cp(model, dims.mesh("cp"), cfg.training.seq_len, cfg.parallelism.context_parallel_rotate_method)
     apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
@@ -82,6 +98,8 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: JobConfig, para
         apply_compile(model, tensor_parallel=dims.tp > 1)
     if dims.fsdp_enabled:
         policy = mixed_precision(param_dtype, cfg.training.mixed_precision_reduce)
+        if before_fsdp is not None:
+            before_fsdp(policy)
         apply_fsdp(model, dims.fsdp_mesh(), policy, cfg.parallelism.fsdp_reshard_after_forward,
                    pipeline_parallel=dims.pp > 1)
     elif dims.ddp_enabled:

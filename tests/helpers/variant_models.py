@@ -3,6 +3,7 @@
 - "llama3_tied": the tiny Llama with tied input/output embeddings (Llama 3.2 1B/3B style).
 - "small_vocab": the tiny Llama with a 1000-token vocabulary (smaller than the tokenizer's).
 - "llama3_4l": the tiny Llama with 4 layers, so pipeline tests have a layer for every stage.
+- "moe_variant": see below.
 """
 
 import dataclasses
@@ -20,3 +21,13 @@ def _register(name: str, **changes) -> None:
 _register("llama3_tied", tie_embeddings=True)
 _register("small_vocab", vocab_size=1000)
 _register("llama3_4l", n_layers=4)
+
+# "moe_variant": the tiny MoE with a dense first block, sigmoid scores renormalised and scaled,
+# and the auxiliary load-balancing loss on (besides the expert bias).
+_moe = get_model_spec("moe")
+_tiny_moe = _moe.flavors["tiny"]
+for _name, _aux in (("moe_variant", 0.01), ("moe_variant_noaux", 0.0)):
+    register_model_spec(dataclasses.replace(_moe, name=_name, flavors={"tiny": dataclasses.replace(
+        _tiny_moe, n_layers=3, n_dense_layers=1,
+        moe=dataclasses.replace(_tiny_moe.moe, score_func="sigmoid", route_norm=True, route_scale=2.0,
+                                aux_loss_coeff=_aux))}))

@@ -1,0 +1,18 @@
+"""Mixture-of-Experts family: registers the ModelSpec "moe" (Llama attention, MoE feed-forward)."""
+
+from models import ModelSpec, register_model_spec
+from models.moe.flavors import MOE_FLAVORS
+from models.moe.model import MoETransformer, moe_flops_per_token
+from models.moe.parallelize import parallelize_moe
+from parallelisms.pipeline import make_stage_model
+
+register_model_spec(
+    ModelSpec(
+        name="moe",
+        flavors=MOE_FLAVORS,
+        model_cls=MoETransformer,
+        parallelize_fn=parallelize_moe,
+        flops_per_token_fn=moe_flops_per_token,
+        pipeline_fn=make_stage_model,
+    )
+)

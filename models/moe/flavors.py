@@ -1,0 +1,32 @@
+"""MoE flavors: CPU-sized debug/tiny models and real shapes (Mixtral 8x7B, Qwen3-30B-A3B-like)."""
+
+from models.common.moe import MoEArgs
+from models.moe.model import MoEModelArgs
+
+MOE_FLAVORS: dict[str, MoEModelArgs] = {
+    # dim 256, 6 layers, 8 experts, top 2, one shared expert; vocab = the embedded tokenizer.
+    "debug": MoEModelArgs(
+        dim=256, n_layers=6, n_heads=16, vocab_size=4096, max_seq_len=8192,
+        moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=256, num_shared_experts=1),
+    ),
+    # For fast multi-process tests: 2 blocks, 8 small experts.
+    "tiny": MoEModelArgs(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=64,
+        moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=64, num_shared_experts=1),
+    ),
+    # Mixtral 8x7B: 8 experts, top 2 (softmax, the two weights renormalised), no shared expert;
+    # trained with an auxiliary loss (router_aux_loss_coef 0.02) rather than an expert bias.
+    "mixtral_8x7b": MoEModelArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000, rope_theta=1e6,
+        max_seq_len=32768,
+        moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=14336, score_func="softmax", route_norm=True,
+                    load_balance_coeff=None, aux_loss_coeff=0.02),
+    ),
+    # Qwen3-30B-A3B-like: 48 layers, 128 experts, top 8, GQA 32/4. What differs from Qwen3: head
+    # dim 64 (Kiln derives it as dim / heads; Qwen3 uses 128), no QK-norm, and Kiln's expert bias.
+    "qwen3_30b_a3b": MoEModelArgs(
+        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, vocab_size=151936, rope_theta=1e6,
+        max_seq_len=40960, norm_eps=1e-6,
+        moe=MoEArgs(num_experts=128, top_k=8, hidden_dim=768, score_func="softmax", route_norm=True),
+    ),
+}

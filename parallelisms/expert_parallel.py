@@ -1,0 +1,87 @@
+"""Expert parallel: an MoE layer's experts split over ep ranks, tokens sent to their experts' rank.
+
+Each rank routes its own tokens, sorts them by expert (so they are grouped by destination rank),
+exchanges the per-expert counts with one all-to-all and the tokens with a second (autograd
+through both directions), runs its local experts, and sends the outputs back with the reverse
+all-to-all. EP ranks are borrowed from dp_shard × cp (TorchTitan's layout), so expert weights
+are sharded over `ep` along the expert dimension and FSDP-sharded over what is left.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed.tensor import Shard, distribute_tensor
+
+
+class ExpertParallelDispatch:
+    """dispatch → local experts → combine, installed as MoE.dispatch."""
+
+    def __init__(self, ep_mesh: DeviceMesh) -> None:
+        self.group = ep_mesh.get_group()
+        self.ep = ep_mesh.size()
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+        """x [n, dim]: this rank's (token, choice) rows sorted by global expert; counts [E] per expert."""
+        ep, group = self.ep, self.group
+        local_e = counts.numel() // ep
+        send = counts.view(ep, local_e)  # rows for rank r's experts
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)  # recv[s, e]: rows from rank s for my expert e
+        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        received = all_to_all_single(x.new_empty(sum(out_splits), x.shape[1]), x, out_splits, in_splits,
+                                     group=group)
+        # Received rows are ordered (source rank, expert); the experts want (expert, source rank).
+        by_expert = _source_major_to_expert_major(recv)
+        # An expert's weight gradient sums the tokens of all ep ranks, each rank's loss already
+        # scaled for the mean over dp × cp, while FSDP averages it over only (dp × cp) / ep ranks:
+        # 1/ep on the gradient into the experts (and ep back on the one leaving them) evens that.
+        # (FSDP's own gradient divide factor needs PREMUL_SUM, which gloo lacks.)
+        inputs = _ScaleGrad.apply(received[by_expert], float(ep))
+        out = _ScaleGrad.apply(experts(inputs, recv.sum(0).tolist()), 1.0 / ep)
+        back = torch.empty_like(by_expert)
+        back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
+        return all_to_all_single(x.new_empty(x.shape[0], out.shape[1]), out[back], in_splits, out_splits,
+                                 group=group)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by `factor` in backward."""
+
+    @staticmethod
+    def forward(ctx, x, factor):  # noqa: ANN001, ANN205
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        return grad * ctx.factor, None
+
+
+def _source_major_to_expert_major(recv: torch.Tensor) -> torch.Tensor:
+    """Row permutation from (source, expert) order to (expert, source) order for counts recv [S, E]."""
+    counts = recv.tolist()
+    starts, at = [], 0
+    for row in counts:
+        starts.append([])
+        for c in row:
+            starts[-1].append(at)
+            at += c
+    pieces = [torch.arange(starts[s][e], starts[s][e] + counts[s][e])
+              for e in range(len(counts[0])) for s in range(len(counts))]
+    return torch.cat(pieces).to(recv.device)
+
+
+def apply_ep(moe_layers: list[nn.Module], ep_mesh: DeviceMesh) -> None:
+    """Shard every MoE layer's stacked expert weights over ep_mesh (dim 0) and route tokens over it."""
+    dispatch = ExpertParallelDispatch(ep_mesh)
+    for moe in moe_layers:
+        if moe.args.num_experts % ep_mesh.size() != 0:
+            raise ValueError(f"expert_parallel_degree {ep_mesh.size()} must divide num_experts "
+                             f"{moe.args.num_experts}")
+        experts = moe.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        moe.dispatch = dispatch
