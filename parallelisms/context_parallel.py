@@ -4,10 +4,11 @@ Sharding is load-balanced for causal attention ("head-tail"): the sequence is cu
 chunks and rank i keeps chunks i and 2·cp−1−i, so every rank has the same amount of unmasked
 attention work. Inputs, labels and RoPE positions are sharded the same way; the model then runs
 on S/cp tokens per rank and only attention talks to the other ranks, in one of two ways:
-- `allgather`: gather every rank's K and V (autograd through the gather) and attend with the
-  causal mask of this rank's positions (memory for attention scores falls as 1/cp);
-- `ring`: pass K/V chunks around the ring and merge partial results by their log-sum-exp
-  (parallelisms/ring_attention.py; memory per step is one chunk pair).
+- `allgather`: gather every rank's K and V (one all-gather, autograd through it), then attend;
+- `ring`: pass K/V chunks around the ring (send/recv), so a rank never holds more than two
+  ranks' K/V.
+Either way attention runs one chunk pair at a time, merging by log-sum-exp and skipping pairs
+the causal mask hides (parallelisms/blockwise_attention.py).
 
 Kiln's own implementation on every device: torch's `context_parallel` fails on CPU (no sharding
 strategy for the CPU SDPA kernels, see TORCH_ON_CPU.md) and shards buffers with its own layout,
@@ -18,12 +19,11 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
-from parallelisms.ring_attention import ring_attention
+from parallelisms.blockwise_attention import gathered_attention, ring_attention
 
 ROTATE_METHODS = ("allgather", "ring")
 
@@ -43,21 +43,16 @@ def shard_sequence(t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return t.index_select(1, positions.to(t.device))
 
 
-def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
-                        positions: torch.Tensor, all_positions: torch.Tensor) -> torch.Tensor:
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup
+                        ) -> torch.Tensor:
     """Causal attention of local queries over the keys/values of every cp rank.
 
     q [b, heads, s_local, d], k/v [b, kv_heads, s_local, d]; K and V are gathered along the
-    sequence in rank order (their positions are all_positions), and the mask allows a key when
-    its position is not after the query's.
+    sequence in rank order, with autograd: the backward reduce-scatters their gradients home.
     """
-    # One collective for K and V, along dim 0 (the sequence moved there), with autograd: the
-    # backward reduce-scatters the gradients back to the ranks that own the keys.
-    kv = torch.stack([k, v]).movedim(3, 0).contiguous()  # [s_local, 2, b, kv_heads, d]
+    kv = torch.stack([k, v]).movedim(3, 0).contiguous()  # [s_local, 2, b, kv_heads, d]: gather on dim 0
     k_all, v_all = all_gather_single_autograd(kv, gather_dim=0, group=group).movedim(0, 3)
-    mask = positions.to(q.device)[:, None] >= all_positions.to(q.device)[None, :]
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    return gathered_attention(q, k_all, v_all, dist.get_rank(group), dist.get_world_size(group))
 
 
 class ContextParallelAttention:
@@ -71,12 +66,11 @@ class ContextParallelAttention:
         self.cp, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
         self.method = rotate_method
         self.positions = head_tail_positions(seq_len, self.cp, self.rank)
-        self.all_positions = torch.cat([head_tail_positions(seq_len, self.cp, r) for r in range(self.cp)])
 
     @torch._dynamo.disable  # point-to-point and gathers stay outside compiled graphs
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.method == "allgather":
-            return allgather_attention(q, k, v, self.group, self.positions, self.all_positions)
+            return allgather_attention(q, k, v, self.group)
         return ring_attention(q, k, v, self.group)
 
 

@@ -11,6 +11,8 @@ from models.common.moe import MoE, MoEArgs
 
 MOE = [*TINY, "--model.name", "moe", "--training.global_batch_size", "8"]
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 VARIANT = ["--job.custom_import", "tests.helpers.variant_models", "--model.name", "moe_variant"]
 
 
@@ -95,6 +97,8 @@ LAYOUTS = {
     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
     "fsdp2_tp2": (4, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]),
     "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
+    "fsdp2_tp2_ep2": (4, ["--training.local_batch_size", "4", *TP2, *EP2]),
+    "pp2_ep2": (4, ["--training.local_batch_size", "4", *PP2, *EP2]),
     "cp2_ep2": (2, ["--parallelism.context_parallel_degree", "2", *EP2]),
     "accum": (1, ["--training.local_batch_size", "4"]),
 }
@@ -174,20 +178,34 @@ def test_aux_loss_joins_the_gradient_with_the_trainer_scale():
     assert (grads[0] - without).abs().max() > 1e-4  # the router does feel the aux loss
 
 
-def test_ep_checkpoint_resumes_in_one_process(tmp_path, data_cache):
+@pytest.fixture(scope="module")
+def ep2_checkpoint(tmp_path_factory, data_cache):
+    """10 EP 2 steps with checkpoints at 5 and 10."""
+    dump = tmp_path_factory.mktemp("ep2_ckpt")
+    args = [*MOE, "--checkpoint.enable", "--checkpoint.interval", "5", "--training.local_batch_size", "4",
+            *EP2]
+    check_ok(run_train([*args, "--job.dump_folder", str(dump), "--training.data_cache_dir", str(data_cache)],
+                       nproc=2))
+    return dump
+
+
+@pytest.mark.parametrize("nproc,args", [
+    (1, []),
+    (4, ["--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "4"]),
+], ids=["to_single", "to_ep4"])
+def test_ep2_checkpoint_resumes_in_another_layout(ep2_checkpoint, nproc, args, tmp_path, data_cache):
     """Expert weights sharded over EP ranks and the expert bias come back exactly in another layout."""
-    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "5", "--training.data_cache_dir", str(data_cache)]
-    straight = tmp_path / "ep2"
-    check_ok(run_train([*MOE, *ckpt, "--training.local_batch_size", "4", *EP2, "--job.dump_folder",
-                        str(straight)], nproc=2))
-    resumed = tmp_path / "single"
-    (resumed / "checkpoint").mkdir(parents=True)
-    shutil.copytree(straight / "checkpoint" / "step-5", resumed / "checkpoint" / "step-5")
-    check_ok(run_train([*MOE, *ckpt, "--job.dump_folder", str(resumed)]))
-    ref = {r["step"]: r for r in read_metrics(straight)}
-    for row in read_metrics(resumed):
-        assert row["step"] > 5
+    (tmp_path / "checkpoint").mkdir()
+    shutil.copytree(ep2_checkpoint / "checkpoint" / "step-5", tmp_path / "checkpoint" / "step-5")
+    check_ok(run_train([*MOE, "--checkpoint.enable", "--checkpoint.interval", "5", *args,
+                        "--job.dump_folder", str(tmp_path), "--training.data_cache_dir", str(data_cache)],
+                       nproc=nproc))
+    ref = {r["step"]: r for r in read_metrics(ep2_checkpoint)}
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(6, 11))
+    for row in rows:
         assert abs(row["loss"] - ref[row["step"]]["loss"]) <= 1e-5 * row["loss"]
+        assert abs(row["grad_norm"] - ref[row["step"]]["grad_norm"]) <= 1e-4 * row["grad_norm"]
         assert row["moe_load"] == ref[row["step"]]["moe_load"]
 
 
@@ -195,9 +213,10 @@ def test_ep_checkpoint_resumes_in_one_process(tmp_path, data_cache):
     (2, [*EP2, "--model.name", "llama3", "--training.local_batch_size", "4"], "Mixture-of-Experts"),
     (2, ["--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
          "--parallelism.data_parallel_shard_degree", "1"], "divide dp_shard"),
-    (4, [*EP2, "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"],
-     "expert parallel combined with tensor parallel"),
-], ids=["ep_on_dense_model", "ep_not_dividing_dp_shard_cp", "ep_with_tp"])
+    (3, ["--parallelism.expert_parallel_degree", "3", "--training.local_batch_size", "2",
+         "--training.global_batch_size", "6"], "must divide num_experts 8"),
+    (1, [*VARIANT, "--model.name", "moe_top9"], "top_k = 9 of only 8 experts"),
+], ids=["ep_on_dense_model", "ep_not_dividing_dp_shard_cp", "ep_not_dividing_experts", "top_k_over_experts"])
 def test_bad_expert_layouts(nproc, args, fragment, tmp_path):
     fails_with(run_train([*MOE, "--job.dump_folder", str(tmp_path), *args], nproc=nproc), fragment,
                torchrun=True)
@@ -224,3 +243,54 @@ def test_flavor_shapes():
     a = MOE_FLAVORS["qwen3_30b_a3b"]
     wider = a.n_layers * a.dim * (128 - a.head_dim) * (2 * a.n_heads + 2 * a.kv_heads) / 1e9
     assert total + wider == pytest.approx(30.5, abs=0.1) and active + wider == pytest.approx(3.3, abs=0.1)
+
+
+@pytest.fixture(scope="module")
+def debug_runs(tmp_path_factory, data_cache):
+    """100 steps of moe_debug (seq 128, batch 8), with the expert bias and without it."""
+    runs = {}
+    for name in ("moe", "moe_nobias"):
+        dump = tmp_path_factory.mktemp(name)
+        check_ok(run_train(["--config", "moe_debug", "--training.seq_len", "128",
+                            "--training.local_batch_size", "8", "--training.global_batch_size", "8",
+                            "--job.custom_import", "tests.helpers.variant_models", "--model.name", name,
+                            "--job.dump_folder", str(dump), "--training.data_cache_dir", str(data_cache)],
+                           timeout=900))
+        runs[name] = train_rows(dump)
+    return runs
+
+
+def test_moe_debug_learns_and_the_bias_balances_the_load(debug_runs, data_cache):
+    from test_training import unigram_entropy
+
+    floor = unigram_entropy(next(data_cache.glob("train-*.bin")))
+    rows = debug_runs["moe"]
+    assert len(rows) == 100
+    last = sum(r["loss"] for r in rows[-10:]) / 10
+    assert last < floor - 0.2, (last, floor)
+
+    def mean_imbalance(run: list[dict]) -> float:
+        """max/mean expert load, averaged over layers and the last 50 steps."""
+        values = [v for r in run[50:] for v in r["moe_imbalance"].values()]
+        return sum(values) / len(values)
+
+    assert mean_imbalance(rows) < mean_imbalance(debug_runs["moe_nobias"])
+
+
+def test_flops_count_active_parameters_only():
+    """With every expert active the count is the dense one; each expert left out per token removes
+    its 3·dim·hidden weights (× 6 FLOPs) in every MoE layer."""
+    import dataclasses
+
+    from models.llama3.model import llama_flops_per_token
+    from models.moe.flavors import MOE_FLAVORS
+    from models.moe.model import MoETransformer, moe_flops_per_token
+
+    args = MOE_FLAVORS["tiny"]
+    with torch.device("meta"):
+        total = sum(p.numel() for p in MoETransformer(args).parameters())
+    all_active = dataclasses.replace(args, moe=dataclasses.replace(args.moe, top_k=args.moe.num_experts))
+    assert moe_flops_per_token(all_active, total, 64) == llama_flops_per_token(all_active, total, 64)
+    per_expert = 6 * 3 * args.dim * args.moe.hidden_dim * args.n_layers
+    assert moe_flops_per_token(all_active, total, 64) - moe_flops_per_token(args, total, 64) == (
+        per_expert * (args.moe.num_experts - args.moe.top_k))

@@ -4,6 +4,7 @@ from models import ModelSpec, register_model_spec
 from models.moe.flavors import MOE_FLAVORS
 from models.moe.model import MoETransformer, moe_flops_per_token
 from models.moe.parallelize import parallelize_moe
+from models.moe.state_dict_adapter import MixtralStateDictAdapter
 from parallelisms.pipeline import make_stage_model
 
 register_model_spec(
@@ -14,5 +15,6 @@ register_model_spec(
         parallelize_fn=parallelize_moe,
         flops_per_token_fn=moe_flops_per_token,
         pipeline_fn=make_stage_model,
+        state_dict_adapter=MixtralStateDictAdapter,
     )
 )

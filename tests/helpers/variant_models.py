@@ -31,3 +31,12 @@ for _name, _aux in (("moe_variant", 0.01), ("moe_variant_noaux", 0.0)):
         _tiny_moe, n_layers=3, n_dense_layers=1,
         moe=dataclasses.replace(_tiny_moe.moe, score_func="sigmoid", route_norm=True, route_scale=2.0,
                                 aux_loss_coeff=_aux))}))
+
+# "moe_top9": the tiny MoE choosing 9 of its 8 experts (a bad flavor).
+register_model_spec(dataclasses.replace(_moe, name="moe_top9", flavors={"tiny": dataclasses.replace(
+    _tiny_moe, moe=dataclasses.replace(_tiny_moe.moe, top_k=9))}))
+
+# "moe_nobias": the debug MoE without the expert-bias update (to measure what the bias does).
+_debug_moe = _moe.flavors["debug"]
+register_model_spec(dataclasses.replace(_moe, name="moe_nobias", flavors={"debug": dataclasses.replace(
+    _debug_moe, moe=dataclasses.replace(_debug_moe.moe, load_balance_coeff=None))}))
