@@ -13,7 +13,7 @@ def apply_compile(model: nn.Module, tensor_parallel: bool = False) -> None:
     Under tensor parallel two torch 2.13 bugs shape what is compiled (measured on CPU/gloo):
     - a whole compiled block whose sequence-parallel RMSNorms work on DTensors fails in backward
       ("'Tensor' object has no attribute '_local_tensor'" in Redistribute.backward), so only
-      attention and feed-forward are compiled, the norms and residual adds stay eager;
+      attention and feed-forward (or MoE) are compiled, the norms and residual adds stay eager;
     - graphs loaded from the AOTAutograd cache (a second run on the same machine) give the
       sequence-parallel norms wrong gradients, while a fresh compile matches eager to 1e-8,
       so that cache is turned off for the process (inductor's FX graph cache stays on).
@@ -22,7 +22,8 @@ def apply_compile(model: nn.Module, tensor_parallel: bool = False) -> None:
         torch._functorch.config.enable_autograd_cache = False
     for block in model.layers.values():
         if tensor_parallel:
-            block.attention.compile()
-            block.feed_forward.compile()
+            for name in ("attention", "feed_forward", "moe"):  # an MoE block has `moe` instead
+                if getattr(block, name, None) is not None:
+                    getattr(block, name).compile()
         else:
             block.compile()

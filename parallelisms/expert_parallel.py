@@ -22,6 +22,7 @@ class ExpertParallelDispatch:
         self.group = ep_mesh.get_group()
         self.ep = ep_mesh.size()
 
+    @torch._dynamo.disable  # data-dependent all-to-alls stay outside compiled graphs
     def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         """x [n, dim]: this rank's (token, choice) rows sorted by global expert; counts [E] per expert."""
         ep, group = self.ep, self.group

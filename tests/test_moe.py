@@ -101,6 +101,8 @@ LAYOUTS = {
     "pp2_ep2": (4, ["--training.local_batch_size", "4", *PP2, *EP2]),
     "cp2_ep2": (2, ["--parallelism.context_parallel_degree", "2", *EP2]),
     "accum": (1, ["--training.local_batch_size", "4"]),
+    "tp2_compile": (2, [*TP2, "--compile.enable"]),
+    "ep2_compile": (2, ["--training.local_batch_size", "4", *EP2, "--compile.enable"]),
 }
 
 
