@@ -258,3 +258,18 @@ class CheckpointManager:
     def close(self) -> None:
         """Finish any pending save (called at exit)."""
         self.wait()
+
+
+def load_model_weights(model: torch.nn.Module, checkpoint: Path) -> None:
+    """Fill a plain (one-process) model with the weights of a DCP step folder saved in any layout."""
+    from components.checkpoint_states import ModelState
+
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / ".metadata").is_file():
+        raise KilnError(f"{checkpoint} is not a complete DCP checkpoint (no .metadata)")
+    state = ModelState([model])
+    check_model_matches(state.state_dict(), checkpoint_shapes(checkpoint), checkpoint)
+    try:
+        dcp.load({"model": state}, checkpoint_id=str(checkpoint), planner=SafeLoadPlanner())
+    except Exception as e:  # a damaged file: name the folder rather than show DCP's internals
+        raise KilnError(f"cannot load checkpoint {checkpoint}: {type(e).__name__}: {e}") from None

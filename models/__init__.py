@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -59,6 +60,23 @@ def get_model_args(spec: ModelSpec, flavor: str) -> Any:
             f"flavors: {', '.join(spec.flavors)}"
         )
     return copy.deepcopy(spec.flavors[flavor])
+
+
+def build_plain_model(name: str, flavor: str, custom_import: str = "",
+                      device: str | torch.device = "cpu") -> tuple[nn.Module, ModelSpec, Any]:
+    """(model, spec, args) for one-process tools (conversion, generation): built without random
+    init, buffers filled and shared weights tied; the weights are meant to be loaded next."""
+    if custom_import:
+        import importlib
+
+        importlib.import_module(custom_import)
+    spec = get_model_spec(name)
+    args = get_model_args(spec, flavor)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    model.to_empty(device=device)
+    model.init_weights(buffer_device=device)  # re-ties shared weights and fills the buffers
+    return model, spec, args
 
 
 def registered_models() -> list[str]:

@@ -13,7 +13,6 @@ The model shape comes from the config; any --section.key after the options overr
 from __future__ import annotations
 
 import argparse
-import importlib
 import shutil
 import sys
 import warnings
@@ -27,13 +26,13 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch import nn  # noqa: E402
 
-from components.checkpoint import EXPORT_DTYPES, check_model_matches, checkpoint_shapes  # noqa: E402
-from components.checkpoint_states import ModelState, SafeLoadPlanner  # noqa: E402
+from components.checkpoint import EXPORT_DTYPES, check_model_matches, load_model_weights  # noqa: E402
+from components.checkpoint_states import ModelState  # noqa: E402
 from components.config import JobConfig, load_config, resolve_path  # noqa: E402
 from components.errors import KilnError  # noqa: E402
 from components.hf_io import kiln_state_from_hf, save_hf_folder  # noqa: E402
 from components.tokenizer import Tokenizer  # noqa: E402
-from models import UnknownModelError, get_model_args, get_model_spec  # noqa: E402
+from models import UnknownModelError, build_plain_model  # noqa: E402
 
 # One process, no process group, is what we mean: DCP's warning about it is noise here.
 warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
@@ -41,16 +40,9 @@ warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|loa
 
 def build_model(cfg: JobConfig) -> tuple[nn.Module, Any]:
     """The plain model of the config on CPU, and its flavor's Hugging Face adapter."""
-    if cfg.job.custom_import:
-        importlib.import_module(cfg.job.custom_import)
-    spec = get_model_spec(cfg.model.name)
+    model, spec, args = build_plain_model(cfg.model.name, cfg.model.flavor, cfg.job.custom_import)
     if spec.state_dict_adapter is None:
         raise KilnError(f"model {spec.name!r} has no Hugging Face state-dict adapter")
-    args = get_model_args(spec, cfg.model.flavor)
-    with torch.device("meta"):  # skip the constructor's random init: every weight is loaded after
-        model = spec.model_cls(args)
-    model.to_empty(device="cpu")
-    model.init_weights()  # re-ties shared weights and fills the non-persistent buffers
     return model, spec.state_dict_adapter(args)
 
 
@@ -71,12 +63,7 @@ def to_hf(cfg: JobConfig, checkpoint: Path, out: Path, dtype: torch.dtype) -> No
     tmp = fresh_folder(out)
     tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
     model, adapter = build_model(cfg)
-    state = ModelState([model])
-    check_model_matches(state.state_dict(), checkpoint_shapes(checkpoint), checkpoint)
-    try:
-        dcp.load({"model": state}, checkpoint_id=str(checkpoint), planner=SafeLoadPlanner())
-    except Exception as e:  # a damaged file: name the folder rather than show DCP's internals
-        raise KilnError(f"cannot load checkpoint {checkpoint}: {type(e).__name__}: {e}") from None
+    load_model_weights(model, checkpoint)
     save_hf_folder(tmp, adapter.to_hf(model.state_dict()),
                    adapter.hf_config(tokenizer.bos_id, tokenizer.eos_id), tokenizer.path, dtype)
     tmp.rename(out)
