@@ -116,6 +116,11 @@ class Trainer:
 
         # Data: tokenized once into the cache, then read as windows; the batch depends on the step only.
         self.splits = resolve_dataset(t.dataset, t.dataset_path)
+        if cfg.validation.dataset_path:
+            val_source = Path(resolve_path(cfg.validation.dataset_path))
+            if not val_source.is_file():
+                raise KilnError(f"validation.dataset_path not found: {cfg.validation.dataset_path}")
+            self.splits["val"] = val_source
         cache = Path(t.data_cache_dir) if t.data_cache_dir else self.dump / "data_cache"
         self.token_files = self._prepare_token_files(cache)
         self.train_windows = TokenWindows(self.token_files["train"], t.seq_len, args.vocab_size)

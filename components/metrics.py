@@ -1,6 +1,7 @@
 """Console lines, metrics.jsonl and TensorBoard; tokens/s, TFLOP/s, MFU and memory per step."""
 
 import json
+import math
 import os
 import platform
 import resource
@@ -98,11 +99,13 @@ class MetricsLogger:
         return row
 
     def log_validation(self, step: int, val_loss: float, val_tokens: int) -> None:
-        """Emit one validation row (carries val_loss)."""
+        """Emit one validation row (carries val_loss and its perplexity)."""
         if self.is_main:
+            ppl = math.exp(min(val_loss, 700.0))
             print(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  "
-                  f"validation loss {val_loss:.4f} over {val_tokens:,} tokens", flush=True)
-            self._write({"step": step, "val_loss": val_loss, "val_tokens": val_tokens,
+                  f"validation loss {val_loss:.4f}  perplexity {ppl:,.2f}  over {val_tokens:,} tokens",
+                  flush=True)
+            self._write({"step": step, "val_loss": val_loss, "val_perplexity": ppl, "val_tokens": val_tokens,
                          "time": round(time.perf_counter() - self.start, 3)})
 
     def _write(self, row: dict) -> None:
