@@ -78,7 +78,8 @@ class Model:
 
     name: str = _opt("llama3", "registered model name")
     flavor: str = _opt("debug", "size preset of the model")
-    tokenizer_path: str = _opt("assets/tokenizer/tokenizer.json", "HuggingFace tokenizer.json file")
+    tokenizer_path: str = _opt("assets/tokenizer/tokenizer.json",
+                               "Hugging Face tokenizer.json, or a folder of HF tokenizer files")
 
 
 @dataclass

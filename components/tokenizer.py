@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,8 +21,18 @@ class Tokenizer:
     """Loads any tokenizer.json; BOS/EOS are added by Kiln, never by the file's post-processor."""
 
     def __init__(self, path: str | Path) -> None:
-        """Loads the file and finds the BOS and EOS ids; failures are KilnErrors naming the file."""
+        """Loads the file and finds the BOS and EOS ids; failures are KilnErrors naming the file.
+
+        path is a tokenizer.json, or a folder of Hugging Face tokenizer files: its tokenizer.json,
+        and the BOS/EOS names of its tokenizer_config.json when there is one.
+        """
         self.path = Path(path)
+        named = {"BOS": None, "EOS": None}
+        if self.path.is_dir():
+            folder, self.path = self.path, self.path / "tokenizer.json"
+            if not self.path.is_file():
+                raise KilnError(f"tokenizer folder {folder} has no tokenizer.json")
+            named = _special_names(folder / "tokenizer_config.json")
         if not self.path.is_file():
             raise KilnError(f"tokenizer file not found: {self.path}")
         try:
@@ -32,8 +43,8 @@ class Tokenizer:
         self.fingerprint = hashlib.sha256(self.path.read_bytes()).hexdigest()
         # Text that happens to contain "<|end_of_text|>" must stay text, not become an EOS.
         self._tok.encode_special_tokens = True
-        self.bos_id = self._find(BOS_NAMES, "BOS")
-        self.eos_id = self._find(EOS_NAMES, "EOS")
+        self.bos_id = self._find((named["BOS"],) * bool(named["BOS"]) + BOS_NAMES, "BOS")
+        self.eos_id = self._find((named["EOS"],) * bool(named["EOS"]) + EOS_NAMES, "EOS")
 
     def _find(self, names: Sequence[str], role: str) -> int:
         """Returns the id of the first of names in the vocabulary, or raises naming the file."""
@@ -67,3 +78,18 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """Turns ids back into text; special tokens are kept so nothing is silently lost."""
         return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def _special_names(config: Path) -> dict[str, str | None]:
+    """bos_token / eos_token of a tokenizer_config.json (a string or {"content": ...}), if any."""
+    if not config.is_file():
+        return {"BOS": None, "EOS": None}
+    try:
+        data = json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise KilnError(f"cannot read {config}: {e}") from None
+
+    def name(value: object) -> str | None:
+        return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
+
+    return {"BOS": name(data.get("bos_token")), "EOS": name(data.get("eos_token"))}

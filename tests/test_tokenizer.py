@@ -114,3 +114,22 @@ def test_common_fallback_names(tmp_path: Path) -> None:
     path.write_text(text.replace("<|end_of_text|>", "<|endoftext|>"))
     tok = Tokenizer(path)
     assert tok.bos_id == tok.eos_id == 1
+
+
+def test_hf_folder_with_config_names_bos_eos(tok: Tokenizer, tmp_path: Path) -> None:
+    """A folder of HF files: its tokenizer.json, and BOS/EOS as tokenizer_config.json names them."""
+    import json
+    import shutil
+
+    shutil.copyfile(tok.path, tmp_path / "tokenizer.json")
+    plain = Tokenizer(tmp_path)
+    assert (plain.bos_id, plain.eos_id) == (tok.bos_id, tok.eos_id)
+    # Name other tokens of the vocabulary (as a model that uses them would) and they are taken.
+    bos, eos = tok.decode([5]), tok.decode([6])
+    config = {"bos_token": {"content": bos}, "eos_token": eos}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    named = Tokenizer(tmp_path)
+    assert (named.bos_id, named.eos_id) == (5, 6)
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.raises(KilnError, match="has no tokenizer.json"):
+        Tokenizer(tmp_path)
