@@ -136,10 +136,14 @@ class Trainer:
         mp = t.mixed_precision_param
         self.param_dtype = mp if mp != "auto" else ("bfloat16" if info.device.type == "cuda" else "float32")
         self.model_parts, self.stage_ids, self.num_stages = self._split(whole)
+        self._check_document_mask()
         for part in self.model_parts:
             self.spec.parallelize_fn(part, self.dims, cfg, self.param_dtype)
             materialize_and_init(part, lambda: self.spec.model_cls(args), t.seed, info.device)
             part.train()
+            if t.document_mask:
+                part.document_bos_id = self.tokenizer.bos_id
+                part.restart_positions = t.document_positions_restart
         # Without FSDP (which casts parameters itself), bf16 compute comes from autocast.
         self.autocast = (
             torch.autocast(info.device.type, dtype=torch.bfloat16)
@@ -190,6 +194,15 @@ class Trainer:
         self.metrics = MetricsLogger(self.dump, is_main=info.is_main, device=info.device,
                                      flops_per_token=self.flops_per_token, peak=self.peak,
                                      total_steps=t.steps, tensorboard_dir=tb)
+
+    def _check_document_mask(self) -> None:
+        """Document masking needs the tokens where attention runs: not on later pipeline stages,
+        and not with context parallel's sharded sequences."""
+        t = self.cfg.training
+        if t.document_positions_restart and not t.document_mask:
+            raise KilnError("training.document_positions_restart needs training.document_mask")
+        if t.document_mask and (self.dims.pp > 1 or self.dims.cp > 1):
+            raise KilnError("training.document_mask is not supported with pipeline or context parallel yet")
 
     def _split(self, whole: torch.nn.Module) -> tuple[list[torch.nn.Module], list[int], int]:
         """This rank's model parts: the whole model, or its pipeline stages (layers by stage)."""

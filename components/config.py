@@ -103,6 +103,12 @@ class Training:
     seq_len: int = _opt(256, "tokens per sequence", _ge(1))
     steps: int = _opt(100, "optimizer steps to train for", _ge(1))
     seed: int = _opt(42, "random seed for weights and data order", _ge(0))
+    document_mask: bool = _opt(
+        False, "attention stays inside each document of a packed window (a BOS token starts one)"
+    )
+    document_positions_restart: bool = _opt(
+        False, "with document_mask: RoPE positions start at 0 in every document"
+    )
     max_norm: float = _opt(1.0, "clip the gradient norm to this; <= 0 disables clipping")
     gc_freq: int = _opt(50, "collect Python garbage every N steps, on all ranks at once; 0 = automatic GC",
                         _ge(0))

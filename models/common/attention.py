@@ -12,6 +12,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
+def document_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              doc_ids: torch.Tensor) -> torch.Tensor:
+    """Block-causal SDPA: a token sees earlier tokens of its own document only (doc_ids [batch, seq])."""
+    seq = q.shape[2]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    mask = (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal  # [batch, seq, seq]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1),
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
 class Attention(nn.Module):
     """Multi-head attention where n_kv_heads key/value heads are shared by groups of query heads.
 
@@ -32,7 +42,10 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
         self.core_attention = causal_attention
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [batch, seq, dim]; rope [seq, head_dim] (or per row [batch, seq, head_dim]); doc_ids
+        [batch, seq] restricts attention to each token's document (packed windows)."""
         bsz, seqlen, _ = x.shape
         # -1 instead of the head count: under tensor parallel each rank holds a slice of the heads.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -40,10 +53,13 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         # The table covers max_seq_len (or this rank's positions under context parallel); this
         # attention sees the whole sequence (gathered under SP).
-        rope = rope[:seqlen]
+        rope = rope[:seqlen] if rope.dim() == 2 else rope[:, :seqlen]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bsz, heads, seq, head_dim]
-        out = self.core_attention(q, k, v)
+        if doc_ids is None:
+            out = self.core_attention(q, k, v)
+        else:
+            out = document_causal_attention(q, k, v, doc_ids)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, std_out: float) -> None:

@@ -42,13 +42,14 @@ def rope_cache(head_dim: int, max_seq_len: int, theta: float, scaling: RopeScali
 
 
 def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """Rotate x [batch, seq, heads, head_dim] by the table rows for its positions [seq, head_dim].
+    """Rotate x [batch, seq, heads, head_dim] by the table rows for its positions: [seq, head_dim],
+    or [batch, seq, head_dim] when rows have their own positions (documents restarting at 0).
 
     Pairs are interleaved (x[2i], x[2i+1]) as in Meta's Llama checkpoints.
     """
     half = cache.shape[-1] // 2
-    cos = cache[:, :half].unsqueeze(1).to(x.dtype)  # [seq, 1, head_dim/2]
-    sin = cache[:, half:].unsqueeze(1).to(x.dtype)
+    cos = cache[..., :half].unsqueeze(-2).to(x.dtype)  # [(batch,) seq, 1, head_dim/2]
+    sin = cache[..., half:].unsqueeze(-2).to(x.dtype)
     x_even, x_odd = x[..., 0::2], x[..., 1::2]
     out_even = x_even * cos - x_odd * sin
     out_odd = x_even * sin + x_odd * cos

@@ -51,8 +51,9 @@ class TransformerBlock(nn.Module):
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.init_std = 0.02 / (2 * depth) ** 0.5
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, doc_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -85,6 +86,10 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cache", self._make_rope_cache(), persistent=False)
         # Context parallel sets the sequence positions this rank holds (None: 0..seq_len-1).
         self.rope_positions: torch.Tensor | None = None
+        # Document masking (packed windows): a BOS token starts a document; attention stays
+        # inside documents, and with restart_positions each document's RoPE positions start at 0.
+        self.document_bos_id: int | None = None
+        self.restart_positions = False
 
     def _make_rope_cache(self) -> torch.Tensor:
         a = self.args
@@ -99,8 +104,16 @@ class Transformer(nn.Module):
         rope = self.rope_cache
         if self.rope_positions is not None:
             rope = rope.index_select(0, self.rope_positions.to(rope.device))
+        doc_ids = None
+        if self.document_bos_id is not None:
+            starts = tokens == self.document_bos_id
+            doc_ids = starts.cumsum(1)
+            if self.restart_positions:
+                index = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+                start_of_doc = torch.where(starts, index, torch.zeros_like(index)).cummax(1).values
+                rope = rope[index - start_of_doc]  # [batch, seq, head_dim]
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope, doc_ids)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

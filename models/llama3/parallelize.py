@@ -42,8 +42,8 @@ def llama_tp_plan(loss_parallel: bool) -> tuple[dict[str, ParallelStyle], dict[s
     }
     block = {
         "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                        desired_input_layouts=(Replicate(), None)),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),

@@ -27,8 +27,9 @@ class MoEBlock(TransformerBlock):
             del self.feed_forward
             self.moe = MoE(args.dim, args.moe)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, doc_ids)
         return h + (self.moe if self.moe_enabled else self.feed_forward)(self.ffn_norm(h))
 
     def init_weights(self) -> None:
