@@ -21,6 +21,7 @@ from components.checkpoint_states import (
     ModelState,
     OptimizerState,
     SchedulerState,
+    StreamingLoaderState,
     TrainState,
 )
 from components.config import JobConfig, config_to_toml, load_config, resolve_path
@@ -48,6 +49,7 @@ from components.optim import build_lr_scheduler, build_optimizer
 from components.peak_flops import peak_flops
 from components.preemption import StopRequest
 from components.profiling import maybe_profile
+from components.streaming_loader import StreamingLoader
 from components.tokenizer import Tokenizer
 from models import UnknownModelError, get_model_args, get_model_spec
 from parallelisms.context_parallel import head_tail_positions, shard_sequence
@@ -115,7 +117,12 @@ class Trainer:
         self.global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp
 
         # Data: tokenized once into the cache, then read as windows; the batch depends on the step only.
-        self.splits = resolve_dataset(t.dataset, t.dataset_path)
+        self.streaming = t.dataset_mode == "streaming"
+        if self.streaming:  # the train split is read on the fly; validation still from token files
+            embedded = resolve_dataset(t.dataset, "") if not t.dataset_path else {}
+            self.splits = {k: v for k, v in embedded.items() if k == "val"}
+        else:
+            self.splits = resolve_dataset(t.dataset, t.dataset_path)
         if cfg.validation.dataset_path:
             val_source = Path(resolve_path(cfg.validation.dataset_path))
             if not val_source.is_file():
@@ -123,9 +130,16 @@ class Trainer:
             self.splits["val"] = val_source
         cache = Path(t.data_cache_dir) if t.data_cache_dir else self.dump / "data_cache"
         self.token_files = self._prepare_token_files(cache)
-        self.train_windows = TokenWindows(self.token_files["train"], t.seq_len, args.vocab_size)
-        self.loader = BatchLoader(self.train_windows, self.global_batch, t.local_batch_size,
-                                  self.dp_rank, dp, t.seed)
+        if self.streaming:
+            source = t.dataset_path or str(resolve_dataset(t.dataset, "")["train"])
+            self.train_windows = None
+            self.loader = StreamingLoader(source, t.dataset_text_field, self.tokenizer, t.seq_len,
+                                          self.global_batch, t.local_batch_size, self.dp_rank, dp,
+                                          cache_dir=str(cache / "hf"))
+        else:
+            self.train_windows = TokenWindows(self.token_files["train"], t.seq_len, args.vocab_size)
+            self.loader = BatchLoader(self.train_windows, self.global_batch, t.local_batch_size,
+                                      self.dp_rank, dp, t.seed)
         self.val_batches = self._validation_batches()
 
         # Model: built on the meta device, split into pipeline stages, parallelized, materialised.
@@ -176,7 +190,7 @@ class Trainer:
             {"model": ModelState(self.model_parts),
              "optimizer": OptimizerState(self.model_parts, self.optimizers),
              "lr_scheduler": SchedulerState(self.schedulers),
-             "dataloader": DataLoaderState(self.loader),
+             "dataloader": (StreamingLoaderState if self.streaming else DataLoaderState)(self.loader),
              "train_state": self.state},
             enable=c.enable or c.create_seed_checkpoint, interval=c.interval,
             keep_latest_k=c.keep_latest_k, load_step=c.load_step, async_mode=c.async_mode,
@@ -250,6 +264,15 @@ class Trainer:
             files = {k: token_file_for(v, self.tokenizer, cache) for k, v in self.splits.items()}
         return files
 
+    def _data_line(self) -> str:
+        t = self.cfg.training
+        if self.streaming:
+            return (f"data    {t.dataset_path or t.dataset}: streamed, tokenized on the fly, documents dealt "
+                    f"to {self.dims.dp} data-parallel rank(s) (field {t.dataset_text_field!r})")
+        w = self.train_windows
+        return (f"data    {t.dataset_path or t.dataset}: {len(w.tokens):,} train tokens ({len(w):,} windows; "
+                f"{len(w) / self.global_batch:,.1f} steps per epoch)")
+
     def summary(self) -> str:
         """The start-up lines: model, layout, batch, data, precision and the MFU peak."""
         d, t, a = self.dims, self.cfg.training, self.model_args
@@ -286,9 +309,7 @@ class Trainer:
             f"{d.dp_shard} × cp {d.cp} × tp {d.tp} → {mode} ({backend}, {self.info.device.type})",
             f"batch   global {self.global_batch} × seq {t.seq_len} = {tokens:,} tokens/step; "
             f"local {t.local_batch_size} × {self.loader.microbatches} microbatch(es) per rank",
-            f"data    {t.dataset_path or t.dataset}: {len(self.train_windows.tokens):,} train tokens "
-            f"({len(self.train_windows):,} windows; {len(self.train_windows) / self.global_batch:,.1f} "
-            f"steps per epoch)",
+            self._data_line(),
             f"numbers params {self.param_dtype}, reduce {t.mixed_precision_reduce}; AC "
             f"{self.cfg.activation_checkpoint.mode}; compile {'on' if self.cfg.compile.enable else 'off'}",
             f"MFU     peak {self.peak.tflops:,.3f} TFLOP/s per device ({self.peak.source})",

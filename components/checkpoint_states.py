@@ -1,6 +1,8 @@
 """The Stateful parts of a run, with layout-free state dicts, and a load planner that never unpickles code."""
 
 import io
+import json
+from typing import Any
 
 import torch
 from torch import nn
@@ -108,6 +110,28 @@ class TrainState(Stateful):
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         torch.set_rng_state(state["cpu_rng"])
+
+
+class StreamingLoaderState(Stateful):
+    """The streaming loader's position, one entry per data-parallel rank (each reads its own share)."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def state_dict(self) -> dict[str, Any]:
+        # One JSON string per rank: DCP would flatten a nested dict into keys whose set changes with
+        # the stream's position, and a load template must have the saved keys.
+        return {"dp_degree": torch.tensor(self.loader.dp_degree),
+                f"dp_rank_{self.loader.dp_rank}": json.dumps(self.loader.state_dict())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["dp_degree"]) != self.loader.dp_degree:
+            saved = int(state["dp_degree"])
+            raise KilnError(f"the checkpoint's streaming loader ran on {saved} data-parallel "
+                            f"ranks, this run has {self.loader.dp_degree}: each rank's position cannot be "
+                            f"carried over. Keep the degree, or add 'dataloader' to "
+                            f"checkpoint.exclude_from_loading")
+        self.loader.load_state_dict(json.loads(state[f"dp_rank_{self.loader.dp_rank}"]))
 
 
 class DataLoaderState(Stateful):

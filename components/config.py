@@ -88,8 +88,14 @@ class Training:
 
     dataset: str = _opt("shakespeare", "registered dataset name")
     dataset_path: str = _opt(
-        "", "a folder with train.*/val.* files, one file, or a prepared .bin token stream"
+        "", "a folder with train.*/val.* files, one file, or a prepared .bin token stream; with "
+        "dataset_mode streaming also a glob, a folder of jsonl/parquet/csv/txt files or a hub dataset name"
     )
+    dataset_mode: Literal["memmap", "streaming"] = _opt(
+        "memmap", "memmap: tokenize once, read windows by step (layout-invariant); streaming: tokenize "
+        "documents on the fly, each data-parallel rank its own share (resumable, not layout-invariant)"
+    )
+    dataset_text_field: str = _opt("text", "the field holding the text in jsonl/json/parquet/csv rows")
     data_cache_dir: str = _opt(
         "", "where tokenized datasets are cached ('' = <dump_folder>/data_cache)"
     )

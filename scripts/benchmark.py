@@ -143,6 +143,37 @@ def cp_table(cache: Path, seq_len: int) -> None:
         print(f"| {name:<32} | {rows[-1]['mem_gib']:>7.2f} GiB | {tps:>9,.0f} |")
 
 
+def data_table(cache: Path, steps: int = 300) -> None:
+    """Tokens/s of the data path beside what training consumes: tokenizing the corpus once, and
+    the memmap loader cutting global batches (debug config: 16 × 256) step after step."""
+    import time
+
+    sys.path.insert(0, str(REPO))
+    from components.corpus import EMBEDDED_DATASETS, read_documents
+    from components.data import BatchLoader, TokenWindows, write_token_file
+    from components.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(REPO / "assets" / "tokenizer" / "tokenizer.json")
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        total = write_token_file(read_documents(EMBEDDED_DATASETS["shakespeare"]["train"]), tokenizer,
+                                 Path(tmp) / "train.bin")
+        tokenize = total / (time.perf_counter() - start)
+        windows = TokenWindows(Path(tmp) / "train.bin", 256, 4096)
+        rows = []
+        for dp in (1, 4):
+            loader = BatchLoader(windows, 16, 16 // dp, 0, dp, seed=42)
+            start = time.perf_counter()
+            for step in range(1, steps + 1):
+                loader.batch(step)
+            rows.append((dp, steps * 16 // dp * 256 / (time.perf_counter() - start)))
+    print(f"\n| {'data path (one process)':<44} | {'tokens/s':>12} |")
+    print(f"|{'-' * 46}|{'-' * 14}|")
+    print(f"| {'tokenize the corpus (BOS text EOS, batched)':<44} | {tokenize:>12,.0f} |")
+    for dp, tps in rows:
+        print(f"| {f'memmap loader, one rank of dp {dp} (16 × 256)':<44} | {tps:>12,.0f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=30)
@@ -153,7 +184,8 @@ def main() -> None:
     ap.add_argument("--tables", default="overhead",
                     help="comma-separated: overhead (Kiln vs plain loop, FSDP 2 vs 1), parallel "
                          "(FSDP/TP layouts × AC/compile), memory (peak memory per AC mode), pipeline "
-                         "(step time per schedule), cp (peak memory of a long sequence per CP degree)")
+                         "(step time per schedule), cp (peak memory of a long sequence per CP degree), "
+                         "data (tokenizer and loader tokens/s)")
     ap.add_argument("--cp-seq-len", type=int, default=8192, help="sequence length of the cp table")
     a = ap.parse_args()
     tables = set(a.tables.split(","))
@@ -165,6 +197,8 @@ def main() -> None:
         parallel_table(a, cache)
     if "cp" in tables:
         cp_table(cache, a.cp_seq_len)
+    if "data" in tables:
+        data_table(cache)
     if "memory" in tables:
         memory_table(cache)
     if "pipeline" in tables:
