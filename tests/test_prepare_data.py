@@ -82,3 +82,18 @@ def test_single_file_and_errors(tmp_path: Path) -> None:
 def test_unknown_dataset_name(tmp_path: Path) -> None:
     proc = run_script("--dataset", "wikitext", "--out", str(tmp_path))
     assert proc.returncode == 1 and "shakespeare" in proc.stderr
+
+
+def test_streaming_source_round_trip(tmp_path: Path) -> None:
+    """--source reads what the streaming loader reads (here parquet, with another text column)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"content": SPLITS["train"], "n": [1, 2, 3]}), tmp_path / "docs.parquet")
+    out = tmp_path / "prepared"
+    proc = run_script("--source", str(tmp_path / "docs.parquet"), "--text-field", "content",
+                      "--tokenizer", str(TOKENIZER), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert documents(out / "train.bin", Tokenizer(TOKENIZER)) == SPLITS["train"]
+    bad = run_script("--source", str(tmp_path / "docs.parquet"), "--out", str(tmp_path / "x"))
+    assert bad.returncode != 0 and "no field 'text'; fields: content, n" in bad.stderr
