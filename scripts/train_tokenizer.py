@@ -3,6 +3,10 @@
 Usage (from the repository root):
     python scripts/train_tokenizer.py --data assets/data/shakespeare/train.jsonl.gz \\
         --vocab-size 4096 --out assets/tokenizer/tokenizer.json
+    python scripts/train_tokenizer.py --source "data/*.parquet" --text-field content --out my_tok.json
+
+--source takes anything the streaming loader reads (jsonl / json / parquet / csv / txt files, a
+folder, a glob, or a hub dataset name), --max-documents caps how many are read.
 """
 
 from __future__ import annotations
@@ -50,9 +54,27 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=Path("assets/data/shakespeare/train.jsonl.gz"))
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--out", type=Path, default=Path("assets/tokenizer/tokenizer.json"))
+    parser.add_argument("--source", default="", help="a streaming source instead of --data")
+    parser.add_argument("--text-field", default="text")
+    parser.add_argument("--max-documents", type=int, default=0, help="0 = all")
     args = parser.parse_args()
 
-    texts = list(read_documents(args.data))
+    if args.source:
+        from itertools import islice
+
+        from components.errors import KilnError
+        from components.text_sources import open_stream, text_of
+
+        try:
+            ds, builder = open_stream(args.source)
+            rows = islice(ds, args.max_documents or None)
+            texts = [text_of(row, args.text_field, builder, args.source) for row in rows]
+        except KilnError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(1)
+        args.data = args.source
+    else:
+        texts = list(read_documents(args.data))
     start = time.perf_counter()
     tokenizer = train_tokenizer(texts, args.vocab_size)
     seconds = time.perf_counter() - start

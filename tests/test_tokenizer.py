@@ -133,3 +133,22 @@ def test_hf_folder_with_config_names_bos_eos(tok: Tokenizer, tmp_path: Path) -> 
     (tmp_path / "tokenizer.json").unlink()
     with pytest.raises(KilnError, match="has no tokenizer.json"):
         Tokenizer(tmp_path)
+
+
+def test_train_tokenizer_on_a_streaming_source(tmp_path: Path) -> None:
+    """scripts/train_tokenizer.py --source: a tokenizer trained on another corpus that Kiln loads."""
+    import json
+    import subprocess
+    import sys
+
+    rows = [{"body": f"Line {i} of the play, where kings and fools do talk."} for i in range(200)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "tok.json"
+    proc = subprocess.run([sys.executable, "scripts/train_tokenizer.py", "--source",
+                           str(tmp_path / "c.jsonl"), "--text-field", "body", "--vocab-size", "300",
+                           "--out", str(out)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    trained = Tokenizer(out)
+    assert trained.vocab_size == 300
+    assert trained.decode(trained.encode("where kings and fools do talk")) == "where kings and fools do talk"
