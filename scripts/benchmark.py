@@ -151,6 +151,7 @@ def data_table(cache: Path, steps: int = 300) -> None:
     sys.path.insert(0, str(REPO))
     from components.corpus import EMBEDDED_DATASETS, read_documents
     from components.data import BatchLoader, TokenWindows, write_token_file
+    from components.streaming_loader import StreamingLoader
     from components.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(REPO / "assets" / "tokenizer" / "tokenizer.json")
@@ -167,11 +168,19 @@ def data_table(cache: Path, steps: int = 300) -> None:
             for step in range(1, steps + 1):
                 loader.batch(step)
             rows.append((dp, steps * 16 // dp * 256 / (time.perf_counter() - start)))
-    print(f"\n| {'data path (one process)':<44} | {'tokens/s':>12} |")
-    print(f"|{'-' * 46}|{'-' * 14}|")
-    print(f"| {'tokenize the corpus (BOS text EOS, batched)':<44} | {tokenize:>12,.0f} |")
+        stream = StreamingLoader(str(EMBEDDED_DATASETS["shakespeare"]["train"]), "text", tokenizer, 256,
+                                 16, 16, 0, 1, cache_dir=tmp)
+        stream.batch(1)  # opening the stream is not part of the rate
+        start = time.perf_counter()
+        for step in range(2, steps + 2):
+            stream.batch(step)
+        streaming = steps * 16 * 256 / (time.perf_counter() - start)
+    print(f"\n| {'data path (one process)':<48} | {'tokens/s':>12} |")
+    print(f"|{'-' * 50}|{'-' * 14}|")
+    print(f"| {'tokenize the corpus (BOS text EOS, batched)':<48} | {tokenize:>12,.0f} |")
     for dp, tps in rows:
-        print(f"| {f'memmap loader, one rank of dp {dp} (16 × 256)':<44} | {tps:>12,.0f} |")
+        print(f"| {f'memmap loader, one rank of dp {dp} (16 × 256)':<48} | {tps:>12,.0f} |")
+    print(f"| {'streaming loader (tokenize on the fly, 16 × 256)':<48} | {streaming:>12,.0f} |")
 
 
 def main() -> None:
