@@ -119,19 +119,20 @@ class Trainer:
         # Data: tokenized once into the cache, then read as windows; the batch depends on the step only.
         self.streaming = t.dataset_mode == "streaming"
         if self.streaming:  # the train split is read on the fly; validation still from token files
-            embedded = resolve_dataset(t.dataset, "") if not t.dataset_path else {}
-            self.splits = {k: v for k, v in embedded.items() if k == "val"}
+            splits = resolve_dataset(t.dataset, t.dataset_path)
+            self.splits = {k: v for k, v in splits.items() if k == "val"}
         else:
             self.splits = resolve_dataset(t.dataset, t.dataset_path)
-        if cfg.validation.dataset_path:
-            val_source = Path(resolve_path(cfg.validation.dataset_path))
-            if not val_source.is_file():
-                raise KilnError(f"validation.dataset_path not found: {cfg.validation.dataset_path}")
-            self.splits["val"] = val_source
+        if cfg.validation.dataset:
+            try:
+                val = resolve_dataset(cfg.validation.dataset, "")
+            except KilnError as e:
+                raise KilnError(f"validation.dataset: {e}") from None
+            self.splits["val"] = val.get("val", val["train"])
         cache = Path(t.data_cache_dir) if t.data_cache_dir else self.dump / "data_cache"
         self.token_files = self._prepare_token_files(cache)
         if self.streaming:
-            source = t.dataset_path or str(resolve_dataset(t.dataset, "")["train"])
+            source = str(resolve_dataset(t.dataset, t.dataset_path)["train"])
             self.train_windows = None
             self.loader = StreamingLoader(source, t.dataset_text_field, self.tokenizer, t.seq_len,
                                           self.global_batch, t.local_batch_size, self.dp_rank, dp,
@@ -256,12 +257,13 @@ class Trainer:
     def _prepare_token_files(self, cache: Path) -> dict[str, Path]:
         """Local rank 0 of each node tokenizes what is missing; the others wait, then read."""
         files = {}
+        field = self.cfg.training.dataset_text_field
         if self.info.local_rank == 0:
-            files = {k: token_file_for(v, self.tokenizer, cache) for k, v in self.splits.items()}
+            files = {k: token_file_for(v, self.tokenizer, cache, field) for k, v in self.splits.items()}
         if dist.is_initialized():
             dist.barrier()
         if self.info.local_rank != 0:
-            files = {k: token_file_for(v, self.tokenizer, cache) for k, v in self.splits.items()}
+            files = {k: token_file_for(v, self.tokenizer, cache, field) for k, v in self.splits.items()}
         return files
 
     def _data_line(self) -> str:

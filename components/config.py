@@ -265,7 +265,10 @@ class Validation:
     enable: bool = _opt(False, "run validation during training")
     freq: int = _opt(50, "validate every N steps", _ge(1))
     steps: int = _opt(10, "batches per validation; -1 = the whole split", _ge(1, or_=-1))
-    dataset_path: str = _opt("", "a text or prepared .bin file to validate on; '' = the dataset's val split")
+    dataset: str = _opt(
+        "", "what to validate on: a dataset name (its val split), a file, folder, glob or hub dataset; "
+        "'' = the training dataset's val split"
+    )
 
 
 @dataclass

@@ -70,7 +70,8 @@ def write_token_file(documents: Iterable[str], tokenizer: Tokenizer, out: Path) 
     return total
 
 
-def cached_token_file(source: Path, tokenizer: Tokenizer, cache_dir: Path) -> Path:
+def cached_token_file(source: Path, tokenizer: Tokenizer, cache_dir: Path,
+                      text_field: str = "text") -> Path:
     """Tokenize `source` (jsonl/txt, plain or gz) into cache_dir once; later calls reuse the file.
 
     The file name carries a hash of the source bytes and the tokenizer, so a changed corpus or
@@ -80,46 +81,97 @@ def cached_token_file(source: Path, tokenizer: Tokenizer, cache_dir: Path) -> Pa
         raise KilnError(f"dataset file not found: {source}")
     digest = hashlib.sha256()
     digest.update(tokenizer.fingerprint.encode())
+    if text_field != "text":
+        digest.update(text_field.encode())
     with open(source, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     name = source.name.split(".")[0]
     out = cache_dir / f"{name}-{digest.hexdigest()[:16]}.bin"
     if not out.exists():
-        write_token_file(read_documents(source), tokenizer, out)
+        write_token_file(read_documents(source, text_field), tokenizer, out)
     return out
 
 
-def resolve_dataset(name: str, path: str) -> dict[str, Path]:
-    """The files of each split: `path` (a folder with train.* / val.*, or one file = train only)
-    when given, else the embedded dataset called `name`. A `.bin` file is an already prepared
-    token stream (scripts/prepare_data.py)."""
+def streamed_token_file(source: str, tokenizer: Tokenizer, cache_dir: Path,
+                        text_field: str = "text") -> Path:
+    """Tokenize any streaming source (parquet / csv / json files, folders, globs, hub datasets) into
+    cache_dir once. Local files are identified by name, size and modification time, hub datasets
+    by name (a hub dataset that changes upstream needs a fresh cache folder)."""
+    from components.text_sources import local_files, open_stream, text_of
+
+    digest = hashlib.sha256()
+    for part in (tokenizer.fingerprint, source, text_field):
+        digest.update(part.encode())
+    for f in local_files(source):
+        st = f.stat()
+        digest.update(f"{f}:{st.st_size}:{st.st_mtime_ns}".encode())
+    slug = "".join(c if c.isalnum() else "_" for c in Path(source.rstrip("/*")).name)[:40] or "data"
+    out = cache_dir / f"{slug}-{digest.hexdigest()[:16]}.bin"
+    if not out.exists():
+        ds, builder = open_stream(source)
+        write_token_file((text_of(row, text_field, builder, source) for row in ds), tokenizer, out)
+    return out
+
+
+def register_dataset(name: str, train: Path, val: Path | None = None) -> None:
+    """Make `training.dataset = name` mean these files (from a --job.custom_import module)."""
+    EMBEDDED_DATASETS[name] = {"train": Path(train), **({"val": Path(val)} if val else {})}
+
+
+def _hub_name(name: str) -> bool:
+    """Whether name looks like a Hugging Face hub dataset id ("owner/name", no file suffix)."""
+    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).suffix
+
+
+def resolve_dataset(name: str, path: str) -> dict[str, Path | str]:
+    """The source of each split: `path` when given (a folder with train.* / val.*, one file = train
+    only, or any streaming source), else `name`: a registered dataset, a local file / folder /
+    glob, or a hub dataset "owner/name". A `.bin` file is an already prepared token stream
+    (scripts/prepare_data.py); other sources are tokenized into the cache by token_file_for."""
+    from components.text_sources import local_files
+
     if path:
         p = Path(path)
         if p.is_dir():
-            splits = {}
+            splits: dict[str, Path | str] = {}
             for split in ("train", "val"):
                 found = sorted(p.glob(f"{split}.*"))
                 found = [f for f in found if not f.name.endswith(".json")]
                 if found:
                     splits[split] = found[0]
             if "train" not in splits:
+                if "val" not in splits and local_files(path):  # a folder of shards: all of it is train
+                    return {"train": path}
                 raise KilnError(f"training.dataset_path {path} has no train.* file")
             return splits
         if not p.exists():
+            if local_files(path) or _hub_name(path):  # a glob, or owner/name on the hub
+                return {"train": path}
             raise KilnError(f"training.dataset_path not found: {path}")
         return {"train": p}
-    if name not in EMBEDDED_DATASETS:
-        raise KilnError(
-            f"unknown training.dataset {name!r}; embedded datasets: {', '.join(EMBEDDED_DATASETS)} "
-            f"(or give a file or folder in training.dataset_path)"
-        )
-    return dict(EMBEDDED_DATASETS[name])
+    if name in EMBEDDED_DATASETS:
+        return dict(EMBEDDED_DATASETS[name])
+    if Path(name).exists() or local_files(name):
+        return resolve_dataset("", name)
+    if _hub_name(name):
+        return {"train": name}  # a Hugging Face hub dataset, streamed into the cache
+    raise KilnError(
+        f"unknown dataset {name!r}: not a registered dataset ({', '.join(EMBEDDED_DATASETS)}), an "
+        f"existing file, folder or glob, or a hub dataset named owner/name"
+    )
 
 
-def token_file_for(source: Path, tokenizer: Tokenizer, cache_dir: Path) -> Path:
-    """A prepared .bin is used as is; text sources are tokenized into the cache once."""
-    return source if source.suffix == ".bin" else cached_token_file(source, tokenizer, cache_dir)
+def token_file_for(source: Path | str, tokenizer: Tokenizer, cache_dir: Path,
+                   text_field: str = "text") -> Path:
+    """A prepared .bin is used as is; text sources are tokenized into the cache once (jsonl / txt
+    by Kiln's reader, anything else through the `datasets` library)."""
+    if str(source).endswith(".bin"):
+        return Path(source)
+    p = Path(source)
+    if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz", ".txt", ".txt.gz")):
+        return cached_token_file(p, tokenizer, cache_dir, text_field)
+    return streamed_token_file(str(source), tokenizer, cache_dir, text_field)
 
 
 class TokenWindows:

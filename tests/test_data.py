@@ -213,3 +213,26 @@ def test_token_ids_beyond_the_model_vocab_are_an_error(tmp_path: Path, tok: Toke
     write_token_file(["To be, or not to be."], tok, out)
     with pytest.raises(KilnError, match="another tokenizer"):
         TokenWindows(out, seq_len=2, vocab_size=10)
+
+
+def test_resolve_dataset_other_sources(tmp_path: Path, tok: Tokenizer) -> None:
+    """Names beyond the embedded corpus: a folder of shards, a glob, a hub id, a registered name;
+    anything other than jsonl/txt is tokenized into the cache through `datasets`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from components.data import register_dataset
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    pq.write_table(pa.table({"text": DOCS[:2]}), shards / "part-0.parquet")
+    pq.write_table(pa.table({"text": DOCS[2:]}), shards / "part-1.parquet")
+    assert resolve_dataset(str(shards), "") == {"train": str(shards)}
+    assert resolve_dataset("", str(shards / "*.parquet")) == {"train": str(shards / "*.parquet")}
+    assert resolve_dataset("allenai/c4", "") == {"train": "allenai/c4"}
+    register_dataset("my_corpus", shards / "part-0.parquet")
+    assert resolve_dataset("my_corpus", "") == {"train": shards / "part-0.parquet"}
+    out = token_file_for(str(shards), tok, tmp_path / "cache")
+    expected = [t for d in DOCS for t in tok.encode(d, bos=True, eos=True)]
+    assert np.fromfile(out, dtype=np.uint16).tolist() == expected
+    assert token_file_for(str(shards), tok, tmp_path / "cache") == out  # cached

@@ -42,14 +42,14 @@ def test_same_validation_in_every_layout(single, nproc, args, tmp_path, data_cac
         assert got["val_tokens"] == ref["val_tokens"]
 
 
-def test_validation_dataset_path(single, tmp_path, data_cache):
+def test_validation_dataset(single, tmp_path, data_cache):
     text = tmp_path / "sonnets.txt"
     text.write_text("Shall I compare thee to a summer's day? Thou art more lovely and more temperate.\n" * 60)
     dump = tmp_path / "run"
-    check_ok(run_train([*VAL, "--validation.dataset_path", str(text), "--job.dump_folder", str(dump),
+    check_ok(run_train([*VAL, "--validation.dataset", str(text), "--job.dump_folder", str(dump),
                         "--training.data_cache_dir", str(data_cache)]))
     rows = val_rows(dump)
     assert [r["step"] for r in rows] == [2, 4]
     assert abs(rows[0]["val_loss"] - single[0]["val_loss"]) > 1e-3  # another text, another loss
-    fails_with(run_train([*VAL, "--validation.dataset_path", str(tmp_path / "none.txt"),
-                          "--job.dump_folder", str(tmp_path / "bad")]), "validation.dataset_path", "none.txt")
+    fails_with(run_train([*VAL, "--validation.dataset", str(tmp_path / "none.txt"),
+                          "--job.dump_folder", str(tmp_path / "bad")]), "validation.dataset", "none.txt")
