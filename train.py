@@ -481,13 +481,21 @@ class Trainer:
         # unless the run resumed (then its rows continue the earlier ones).
         if self.info.is_main:
             (self.dump / "config.toml").write_text(config_to_toml(cfg))
-        self.metrics.open(append=st.step > 0)
+        self.metrics.open(append=st.step > 0, start_step=st.step)
         stop = StopRequest()
         gc_control = GarbageCollection(t.gc_freq)
         tokens_per_step = self.global_batch * t.seq_len
-        prof_dir = self.dump / cfg.profiling.save_traces_folder
-        with maybe_profile(cfg.profiling.enable_profiling, prof_dir, cfg.profiling.profile_freq,
-                           self.info.rank) as profiler:
+        pc = cfg.profiling
+        snapshots = None
+        if pc.enable_memory_snapshot:
+            if self.info.device.type == "cuda":
+                snapshots = self.dump / pc.save_memory_snapshot_folder
+            else:
+                self.say("profiling.enable_memory_snapshot: memory snapshots are CUDA-only, none on "
+                         f"{self.info.device.type}; peak memory (RSS) is still in every metrics row")
+        with maybe_profile(pc.enable_profiling or snapshots is not None, self.dump / pc.save_traces_folder,
+                           pc.profile_freq, self.info.rank, pc.profiler_warmup, pc.profiler_active,
+                           snapshots) as profiler:
             while st.step < t.steps:
                 st.step += 1
                 lr = self.schedulers[0].get_last_lr()[0]

@@ -278,6 +278,13 @@ class Profiling:
     enable_profiling: bool = _opt(False, "record profiler traces")
     save_traces_folder: str = _opt("profile_traces", "trace folder, inside job.dump_folder")
     profile_freq: int = _opt(100, "record a trace every N steps", _ge(1))
+    profiler_warmup: int = _opt(1, "steps the profiler warms up before each recorded window", _ge(0))
+    profiler_active: int = _opt(1, "steps recorded in each window (ending at a multiple of profile_freq)",
+                                _ge(1))
+    enable_memory_snapshot: bool = _opt(
+        False, "CUDA memory snapshots (allocation history) at the same steps as the traces; CUDA only"
+    )
+    save_memory_snapshot_folder: str = _opt("memory_snapshot", "snapshot folder, inside job.dump_folder")
 
 
 @dataclass

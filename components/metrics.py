@@ -5,6 +5,7 @@ import math
 import os
 import platform
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -31,8 +32,11 @@ class MetricsLogger:
 
     def __init__(self, dump_folder: Path, *, is_main: bool, device: torch.device,
                  flops_per_token: int, peak: PeakFlops, total_steps: int,
-                 tensorboard_dir: Path | None = None) -> None:
+                 tensorboard_dir: Path | None = None, terminal: bool | None = None) -> None:
         self.is_main = is_main
+        # A progress bar only where a person watches; CI logs and files get plain lines.
+        self.terminal = sys.stdout.isatty() if terminal is None else terminal
+        self._eta_origin: tuple[int, float] | None = None
         self.device = device
         self.flops_per_token = flops_per_token
         self.peak = peak
@@ -53,8 +57,10 @@ class MetricsLogger:
             except OSError as e:
                 raise KilnError(f"job.dump_folder {self.path.parent} is not writable: {e}") from None
 
-    def open(self, append: bool) -> None:
-        """Start writing: append to metrics.jsonl when resuming, else start it afresh."""
+    def open(self, append: bool, start_step: int = 0) -> None:
+        """Start writing: append to metrics.jsonl when resuming, else start it afresh. The ETA
+        counts from start_step (where a resumed run picked up)."""
+        self._eta_origin = (start_step, time.perf_counter())
         if not self.is_main:
             return
         self._file = open(self.path, "a" if append else "w", buffering=1)
@@ -90,13 +96,32 @@ class MetricsLogger:
                 worst = max(row["moe_imbalance"].items(), key=lambda kv: kv[1])
                 moe = f"  experts max/mean {worst[1]:.2f} (layer {worst[0]})"
             print(
-                f"step {step:>{width}}/{self.total_steps}  loss {loss:7.4f}  grad {grad_norm:7.3f}  "
-                f"lr {lr:.2e}  {tps:9,.0f} tok/s/dev  {tflops:6.3f} TFLOP/s  MFU {mfu:5.2f}%  "
-                f"mem {row['mem_gib']:.2f} GiB{moe}",
+                f"{self._progress(step)}step {step:>{width}}/{self.total_steps}  loss {loss:7.4f}  "
+                f"grad {grad_norm:7.3f}  lr {lr:.2e}  {tps:9,.0f} tok/s/dev  {tflops:6.3f} TFLOP/s  "
+                f"MFU {mfu:5.2f}%  mem {row['mem_gib']:.2f} GiB  eta {self.eta(step, now)}{moe}",
                 flush=True,
             )
             self._write(row)
         return row
+
+    def eta(self, step: int, now: float) -> str:
+        """Time left at the pace since this process started training, as 1h02m, 3m05s or 12s."""
+        first_step, t0 = self._eta_origin or (0, self.start)
+        done = step - first_step
+        if done <= 0:
+            return "?"
+        left = max(0.0, (now - t0) / done * (self.total_steps - step))
+        h, rem = divmod(int(left + 0.5), 3600)
+        m, sec = divmod(rem, 60)
+        return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s" if m else f"{sec}s"
+
+    def _progress(self, step: int) -> str:
+        """`[######------] 52% ` before the line on a terminal, nothing otherwise."""
+        if not self.terminal:
+            return ""
+        width = 20
+        filled = int(width * step / max(self.total_steps, 1))
+        return f"[{'#' * filled}{'-' * (width - filled)}] {100 * step // max(self.total_steps, 1):3d}% "
 
     def log_validation(self, step: int, val_loss: float, val_tokens: int) -> None:
         """Emit one validation row (carries val_loss and its perplexity)."""

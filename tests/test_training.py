@@ -59,6 +59,7 @@ def test_outputs_match_the_contract(debug_run):
     step_lines = [line for line in proc.stdout.splitlines() if line.startswith("step ") and "loss" in line
                   and "validation" not in line]
     assert len(step_lines) == 100 and "tok/s/dev" in step_lines[0] and "MFU" in step_lines[0]
+    assert " eta " in step_lines[0] and step_lines[-1].endswith("eta 0s")  # plain lines: no progress bar
     for word in ("parameters", "layout", "batch", "MFU", "peak"):
         assert word in proc.stdout.split("step ")[0]
     saved = (dump / "config.toml").read_text()
@@ -66,12 +67,20 @@ def test_outputs_match_the_contract(debug_run):
     assert list((dump / "tb").glob("events.out.tfevents.*"))
 
 
-def test_profiler_writes_a_trace_per_rank(tmp_path, data_cache):
-    proc = run_train([*TINY, "--training.steps", "4", "--job.dump_folder", str(tmp_path),
+@pytest.mark.parametrize("layout", [[], ["--parallelism.pipeline_parallel_degree", "2"]],
+                         ids=["fsdp2", "pp2"])
+def test_profiler_writes_a_trace_per_rank(layout, tmp_path, data_cache):
+    """Every rank writes its Chrome trace of the window ending at step 4 (warm-up 1, 2 active
+    steps); on CPU the memory-snapshot switch says snapshots are CUDA-only and training goes on."""
+    proc = run_train([*TINY, "--training.steps", "4", *layout, "--job.dump_folder", str(tmp_path),
                       "--training.data_cache_dir", str(data_cache), "--profiling.enable_profiling",
-                      "--profiling.profile_freq", "3"], nproc=2)
+                      "--profiling.profile_freq", "4", "--profiling.profiler_active", "2",
+                      "--profiling.enable_memory_snapshot"], nproc=2)
     check_ok(proc)
-    traces = sorted(p.name for p in (tmp_path / "profile_traces").glob("iteration_*/*.json"))
-    assert traces == ["rank0_trace.json", "rank1_trace.json"]
-    trace = json.loads(next((tmp_path / "profile_traces").glob("iteration_*/rank0_trace.json")).read_text())
-    assert trace["traceEvents"]
+    assert "memory snapshots are CUDA-only" in proc.stdout
+    traces = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("profile_traces/*/*.json"))
+    assert traces == [f"profile_traces/iteration_4/rank{r}_trace.json" for r in (0, 1)]
+    for name in traces:
+        events = json.loads((tmp_path / name).read_text())["traceEvents"]
+        steps = {e["name"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#")}
+        assert steps == {"ProfilerStep#2", "ProfilerStep#3"}, steps
