@@ -480,6 +480,8 @@ class Trainer:
         # Only now, with the run's input accepted: the resolved config, and a fresh metrics file
         # unless the run resumed (then its rows continue the earlier ones).
         if self.info.is_main:
+            # Resolved: data_parallel_shard_degree -1 is written as the degree it became.
+            cfg.parallelism.data_parallel_shard_degree = self.dims.dp_shard
             (self.dump / "config.toml").write_text(config_to_toml(cfg))
         self.metrics.open(append=st.step > 0, start_step=st.step)
         stop = StopRequest()

@@ -75,9 +75,10 @@ def _figure_png(draw, out: Path) -> str:
 
 def plot_metric(runs: list[dict], key: str, title: str, ylabel: str, out: Path) -> str:
     def draw(ax) -> None:  # noqa: ANN001
-        for run in runs:
+        for i, run in enumerate(runs):  # dashed and dotted lines keep identical curves visible
             steps = [r["step"] for r in run["train"] if key in r]
-            ax.plot(steps, [r[key] for r in run["train"] if key in r], label=run["name"], linewidth=1.4)
+            ax.plot(steps, [r[key] for r in run["train"] if key in r], label=run["name"],
+                    linewidth=2.2 if i == 0 else 1.4, linestyle=("-", "--", ":", "-.")[i % 4])
             if key == "loss" and run["val"]:
                 ax.plot([r["step"] for r in run["val"]], [r["val_loss"] for r in run["val"]], "o--",
                         label=f"{run['name']} (validation)", markersize=4)
@@ -130,7 +131,7 @@ def header(run: dict) -> list[tuple[str, str]]:
     degrees = " × ".join(f"{k.replace('_degree', '').replace('data_parallel_', 'dp_')} {v}"
                          for k, v in par.items() if k.endswith("_degree") and v not in (1, -1))
     return [("run", run["name"]), ("model", f"{model.get('name', '?')}/{model.get('flavor', '?')}"),
-            ("layout", degrees or "one process or FSDP over all ranks"),
+            ("layout", degrees or "one process"),
             ("batch", f"global {train.get('global_batch_size', '?')} × seq {train.get('seq_len', '?')}"),
             ("steps", f"{last['step']} of {train.get('steps', '?')}"),
             ("tokens", f"{last.get('tokens', 0):,}"), ("wall time", f"{last.get('time', 0):,.1f} s"),

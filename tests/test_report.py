@@ -35,6 +35,7 @@ def test_report_of_two_real_runs(tmp_path, data_cache):
                       "Model FLOPs utilisation", "Peak memory"]
     assert len(list((tmp_path / "report").glob("*.png"))) == 6
     assert "single" in page and "fsdp2" in page and "llama3/tiny" in page
+    assert "<td>dp_shard 2</td>" in page and "<td>one process</td>" in page  # from the resolved config
     assert "Loss difference against single" in page
 
 
