@@ -124,6 +124,34 @@ def loss_differences(runs: list[dict]) -> list[tuple[str, int, float, float, int
     return out
 
 
+def model_size(config: dict) -> str:
+    """Parameter count of the run's model, built on the meta device from its config (total and,
+    for MoE, active per token); '?' for a model this checkout does not know."""
+    model = config.get("model", {})
+    try:
+        import torch
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from models import get_model_args, get_model_spec
+
+        if config.get("job", {}).get("custom_import"):
+            import importlib
+
+            importlib.import_module(config["job"]["custom_import"])
+        spec = get_model_spec(model.get("name", ""))
+        args = get_model_args(spec, model.get("flavor", ""))
+        with torch.device("meta"):
+            total = sum(p.numel() for p in spec.model_cls(args).parameters())
+    except Exception:  # an unknown or custom model: the report still draws the curves
+        return "?"
+    moe = getattr(args, "moe", None)
+    if moe is None:
+        return f"{total / 1e6:,.2f}M parameters"
+    moe_layers = args.n_layers - getattr(args, "n_dense_layers", 0)
+    active = total - moe_layers * (moe.num_experts - moe.top_k) * 3 * args.dim * moe.hidden_dim
+    return f"{total / 1e6:,.2f}M parameters ({active / 1e6:,.2f}M active)"
+
+
 def header(run: dict) -> list[tuple[str, str]]:
     """What a reader wants to know first about a run."""
     c, last = run["config"], run["train"][-1]
@@ -131,6 +159,7 @@ def header(run: dict) -> list[tuple[str, str]]:
     degrees = " × ".join(f"{k.replace('_degree', '').replace('data_parallel_', 'dp_')} {v}"
                          for k, v in par.items() if k.endswith("_degree") and v not in (1, -1))
     return [("run", run["name"]), ("model", f"{model.get('name', '?')}/{model.get('flavor', '?')}"),
+            ("model size", model_size(c)),
             ("layout", degrees or "one process"),
             ("batch", f"global {train.get('global_batch_size', '?')} × seq {train.get('seq_len', '?')}"),
             ("steps", f"{last['step']} of {train.get('steps', '?')}"),

@@ -63,3 +63,16 @@ def fails_with(proc: subprocess.CompletedProcess, *fragments: str, torchrun: boo
 def data_cache(tmp_path_factory) -> Path:
     """One tokenized copy of the corpus shared by every end-to-end run of the session."""
     return tmp_path_factory.mktemp("data_cache")
+
+
+def tiny_llama(seed: int = 0):
+    """The tiny Llama, initialised from seed, on CPU, for one-process model tests."""
+    import torch
+
+    from models import get_model_spec
+
+    spec = get_model_spec("llama3")
+    torch.manual_seed(seed)
+    model = spec.model_cls(spec.flavors["tiny"])
+    model.init_weights()
+    return model

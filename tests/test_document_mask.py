@@ -3,18 +3,13 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY, check_ok, fails_with, run_train, train_rows
-
-from models import get_model_spec
+from conftest import TINY, check_ok, fails_with, run_train, tiny_llama, train_rows
 
 BOS = 1
 
 
 def tiny_model() -> torch.nn.Module:
-    spec = get_model_spec("llama3")
-    torch.manual_seed(0)
-    model = spec.model_cls(spec.flavors["tiny"])
-    model.init_weights()
+    model = tiny_llama()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("wq.weight", "wk.weight")):

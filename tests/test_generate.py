@@ -3,17 +3,13 @@ seeded text from a checkpoint written by a real run."""
 
 import pytest
 import torch
-from conftest import TINY, check_ok, fails_with, run_train
+from conftest import TINY, check_ok, fails_with, run_train, tiny_llama
 
 from components.generation import generate, sample_next
-from models import get_model_spec
 
 
 def tiny_model() -> torch.nn.Module:
-    spec = get_model_spec("llama3")
-    torch.manual_seed(0)
-    model = spec.model_cls(spec.flavors["tiny"])
-    model.init_weights()
+    model = tiny_llama()
     with torch.no_grad():
         model.output.weight.mul_(30)  # sharper distributions: a wrong cache shows in the choices
     return model.eval()

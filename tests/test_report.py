@@ -6,8 +6,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO, TINY, check_ok, run_train
 
+from models import get_model_spec
 from scripts.report import load_run, loss_differences
 
 pytest.importorskip("matplotlib")
@@ -36,6 +38,10 @@ def test_report_of_two_real_runs(tmp_path, data_cache):
     assert len(list((tmp_path / "report").glob("*.png"))) == 6
     assert "single" in page and "fsdp2" in page and "llama3/tiny" in page
     assert "<td>dp_shard 2</td>" in page and "<td>one process</td>" in page  # from the resolved config
+    spec = get_model_spec("llama3")
+    with torch.device("meta"):
+        size = sum(p.numel() for p in spec.model_cls(spec.flavors["tiny"]).parameters())
+    assert f"<td>{size / 1e6:,.2f}M parameters</td>" in page
     assert "Loss difference against single" in page
 
 
