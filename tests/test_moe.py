@@ -249,11 +249,12 @@ def test_flavor_shapes():
 
 @pytest.fixture(scope="module")
 def debug_runs(tmp_path_factory, data_cache):
-    """100 steps of moe_debug (seq 128, batch 8), with the expert bias and without it."""
+    """100 steps of moe_debug (seq 64, batch 8), with the expert bias and without it (measured:
+    last-10 loss 5.87 both; mean max/mean load over steps 51-100: 1.47 with the bias, 2.87 without)."""
     runs = {}
     for name in ("moe", "moe_nobias"):
         dump = tmp_path_factory.mktemp(name)
-        check_ok(run_train(["--config", "moe_debug", "--training.seq_len", "128",
+        check_ok(run_train(["--config", "moe_debug", "--training.seq_len", "64",
                             "--training.local_batch_size", "8", "--training.global_batch_size", "8",
                             "--job.custom_import", "tests.helpers.variant_models", "--model.name", name,
                             "--job.dump_folder", str(dump), "--training.data_cache_dir", str(data_cache)],
