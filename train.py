@@ -369,6 +369,8 @@ class Trainer:
     def moe_metrics(self) -> dict:
         """This step's tokens per expert and max/mean imbalance of every MoE layer (all stages)."""
         load = self.expert_load
+        if getattr(self.model_args, "moe", None) is None:  # dense model: nothing to gather
+            return {}
         if self.pipeline is not None:
             stages: list[dict] = [{} for _ in range(self.dims.pp)]
             dist.all_gather_object(stages, load, group=self.dims.mesh("pp").get_group())
