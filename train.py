@@ -32,7 +32,7 @@ from components.data import (
     token_file_for,
     validation_batches,
 )
-from components.distributed import DistInfo, exit_cleanly, init_distributed, set_seed
+from components.distributed import DistInfo, exit_cleanly, init_distributed, lost_peer_message, set_seed
 from components.errors import KilnError
 from components.gc_control import GarbageCollection
 from components.grad_norm import clip_grad_norm
@@ -303,11 +303,13 @@ class Trainer:
             mode = pp if mode in ("no data parallelism", "single process") else f"{pp} × {mode}"
         tokens = self.global_batch * t.seq_len
         backend = dist.get_backend() if dist.is_initialized() else "none"
+        nodes = self.info.nodes
+        on_nodes = f" on {nodes} nodes × {d.world_size // nodes} processes" if nodes > 1 else ""
         lines = [
             f"Kiln · {self.cfg.model.name}/{self.cfg.model.flavor} · {self.num_params / 1e6:,.2f}M "
             f"parameters ({(self.num_params - emb) / 1e6:,.2f}M non-embedding) · "
             f"{self.flops_per_token / 1e6:,.1f} MFLOP/token",
-            f"layout  world {d.world_size} = pp {d.pp} × dp_replicate {d.dp_replicate} × dp_shard "
+            f"layout  world {d.world_size}{on_nodes} = pp {d.pp} × dp_replicate {d.dp_replicate} × dp_shard "
             f"{d.dp_shard} × cp {d.cp} × tp {d.tp} → {mode} ({backend}, {self.info.device.type})",
             f"batch   global {self.global_batch} × seq {t.seq_len} = {tokens:,} tokens/step; "
             f"local {t.local_batch_size} × {self.loader.microbatches} microbatch(es) per rank",
@@ -538,9 +540,11 @@ def main(argv: list[str]) -> int:
     """Parse, train, and turn every user error into one line on stderr and a non-zero exit code."""
     is_main = os.environ.get("RANK", "0") == "0"
     trainer = None
+    timeout = 0
     try:
         cfg = load_config(argv)
-        info = init_distributed(cfg.comm.timeout_seconds)
+        timeout = cfg.comm.timeout_seconds
+        info = init_distributed(timeout)
         trainer = Trainer(cfg, info)
         if cfg.checkpoint.create_seed_checkpoint:
             trainer.create_seed_checkpoint()
@@ -551,8 +555,13 @@ def main(argv: list[str]) -> int:
         if is_main:
             print(f"kiln: error: {e}", file=sys.stderr, flush=True)
         code = 2
-    except Exception:
-        traceback.print_exc()
+    except Exception as e:
+        # A peer's death is reported by every surviving rank, as one line each rather than a trace.
+        lost = lost_peer_message(e, timeout) if dist.is_initialized() else None
+        if lost is None:
+            traceback.print_exc()
+        else:
+            print(f"kiln: error: {lost}", file=sys.stderr, flush=True)
         code = 1
     release = trainer.dims.release if trainer is not None else None
     exit_cleanly(code, release)

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from components.checkpoint_states import SafeLoadPlanner
 from components.errors import KilnError
+from components.shared_folder import require_shared
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
@@ -124,6 +125,8 @@ class CheckpointManager:
                 probe.unlink()
             except OSError as e:
                 raise KilnError(f"checkpoint folder {self.folder} is not writable: {e}") from None
+        if enable:
+            require_shared(self.folder, "checkpoint folder")
 
     # ---------------------------------------------------------------- loading
 

@@ -3,7 +3,11 @@
 import gc
 import os
 import random
+import re
+import socket
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -22,6 +26,7 @@ class DistInfo:
     local_rank: int
     world_size: int
     device: torch.device
+    nodes: int = 1  # torchrun agents (machines) in the job: GROUP_WORLD_SIZE
 
     @property
     def is_main(self) -> bool:
@@ -43,6 +48,7 @@ def init_distributed(timeout_seconds: int) -> DistInfo:
         raise KilnError("WORLD_SIZE > 1 but MASTER_ADDR, MASTER_PORT or RANK is not set: launch with "
                         "torchrun (or set all of them as torchrun would)")
     rank = int(os.environ.get("RANK", "0"))
+    watch_agent()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(local_rank)
     if device.type == "cuda":
@@ -54,7 +60,31 @@ def init_distributed(timeout_seconds: int) -> DistInfo:
         store = _attempt_store(rank, world_size, timeout)
         dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank,
                                 world_size=world_size, device_id=device if device.type == "cuda" else None)
-    return DistInfo(rank, local_rank, world_size, device)
+    return DistInfo(rank, local_rank, world_size, device, int(os.environ.get("GROUP_WORLD_SIZE", "1")))
+
+
+def watch_agent(poll_seconds: float = 1.0) -> None:
+    """Stop this worker when the torchrun agent that started it dies.
+
+    torchrun starts every worker in a session of its own, so a SIGKILLed agent (an OOM kill, a
+    lost node's supervisor) leaves its workers running unsupervised: they would go on training
+    while their agent can no longer restart or stop them. Polling our parent's pid from a daemon
+    thread (not prctl's PDEATHSIG, which fires when the forking *thread* exits) turns that into a
+    worker exit, so the other nodes' collectives fail at once and their agents stop the job.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    agent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == agent:
+            time.sleep(poll_seconds)
+        rank = os.environ.get("RANK", "?")
+        print(f"kiln: error: rank {rank}: the torchrun agent of this node (pid {agent}) died; "
+              "stopping this worker", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kiln-agent-watch", daemon=True).start()
 
 
 def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
@@ -69,6 +99,27 @@ def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=rank == 0 and not agent_hosts_store, timeout=timeout)
     return dist.PrefixStore(f"kiln/attempt_{attempt}", store)
+
+
+# How a collective reports that a peer is gone: gloo's closed or reset sockets and timeouts, NCCL's
+# aborted communicators and watchdog timeouts, and the store's lost connections.
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out",
+              "timed out", "Timeout", "NCCL communicator was aborted", "ECONNRESET", "Connection refused")
+
+
+def lost_peer_message(exc: BaseException, timeout_seconds: int) -> str | None:
+    """One line for a collective that failed because another rank died or went silent; else None."""
+    text = str(exc).strip()
+    if not (isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and
+                                                any(m in text for m in _PEER_LOST))):
+        return None
+    first = text.splitlines()[0] if text else type(exc).__name__
+    first = first.split(" This is typically caused")[0]  # gloo's advice, said better below
+    first = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", first)  # the C++ source location
+    where = f"rank {os.environ.get('RANK', '0')} on {socket.gethostname()}"
+    return (f"{where} lost contact with the other ranks: another process or node crashed, was "
+            f"killed, or did not answer within comm.timeout_seconds = {timeout_seconds} s; the first "
+            f"failure is in the other node's log ({type(exc).__name__}: {first[:300]})")
 
 
 def set_seed(seed: int, deterministic: bool) -> None:
