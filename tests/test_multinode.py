@@ -26,18 +26,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_nodes(args_by_node: list[list[str]], port: int, logs: Path) -> list[subprocess.Popen]:
+def start_nodes(args_by_node: list[list[str]], port: int, logs: Path,
+                extra_env: dict | None = None) -> list[subprocess.Popen]:
     """Start one agent per node (scripts/run_train.sh, NGPU=2), each in a session of its own."""
     procs = []
     logs.mkdir(parents=True, exist_ok=True)
     for node, args in enumerate(args_by_node):
         env = dict(os.environ, NGPU="2", NNODES=str(len(args_by_node)), NODE_RANK=str(node),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RDZV_ID=f"test-{port}",
-                   RDZV_TIMEOUT="120", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+                   RDZV_TIMEOUT="120", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
         out = open(logs / f"node{node}.log", "w")  # noqa: SIM115 - closed with the process
         procs.append(subprocess.Popen(["bash", str(SCRIPT), *args], cwd=REPO, env=env, stdout=out,
                                       stderr=subprocess.STDOUT, start_new_session=True))
     return procs
+
+
+def workers_of(agent: subprocess.Popen) -> list[int]:
+    """The worker pids a torchrun agent started (bash execs torchrun, so the agent is the Popen)."""
+    out = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout
+    return sorted(int(pid) for pid in out.split())
 
 
 def stop_everything(procs: list[subprocess.Popen], marker: str) -> None:
@@ -152,10 +159,9 @@ def test_lost_node_fails_the_other_within_the_timeout(fault, tmp_path, data_cach
         if fault == "kill_agent":
             os.kill(victim.pid, signal.SIGKILL)
         else:
-            workers = subprocess.run(["pgrep", "-P", str(victim.pid)], capture_output=True,
-                                     text=True).stdout.split()
+            workers = workers_of(victim)
             assert len(workers) == 2, workers
-            for pid in [victim.pid, *map(int, workers)]:
+            for pid in [victim.pid, *workers]:
                 os.kill(pid, signal.SIGSTOP)
         code = procs[0].wait(timeout=timeout + 90)
         elapsed = time.monotonic() - start
@@ -215,3 +221,58 @@ def test_run_train_sh_reads_slurm(tmp_path):
     env["NODE_RANK"] = "2"
     bad = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "NODE_RANK=2 is not in 0 … NNODES-1 = 1" in bad.stderr
+
+
+def test_sbatch_script_trains_on_two_nodes(single, tmp_path, data_cache):
+    """scripts/multinode_trainer.slurm under stand-ins for srun (one task per node, started
+    side by side with its SLURM_NODEID, as --ntasks-per-node=1 gives) and scontrol: a real
+    two-node run that matches one process."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
+    (fake_bin / "srun").write_text(
+        "#!/bin/bash\n"
+        'while [[ "$1" == -* ]]; do shift; done\n'
+        "pids=()\n"
+        'for ((n = 0; n < SLURM_NNODES; n++)); do SLURM_NODEID=$n SLURM_PROCID=$n "$@" & pids+=($!); done\n'
+        'code=0; for p in "${pids[@]}"; do wait "$p" || code=$?; done; exit $code\n')
+    for tool in ("scontrol", "srun"):
+        (fake_bin / tool).chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake_bin}:{os.environ['PATH']}", SLURM_JOB_ID=str(free_port()),
+               SLURM_NNODES="2", SLURM_JOB_NODELIST="node[0-1]", SLURM_SUBMIT_DIR=str(REPO),
+               MASTER_PORT=str(free_port()), NGPU="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "multinode_trainer.slurm"),
+                           *base_args(tmp_path, data_cache, "--training.local_batch_size", "2")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    check_ok(proc)
+    assert "world 4 on 2 nodes × 2 processes" in proc.stdout
+    ref, got = train_rows(single), train_rows(tmp_path)
+    assert [r["step"] for r in got] == list(range(1, 11))
+    for r, g in zip(ref, got, strict=True):
+        assert _relative(g["loss"], r["loss"]) <= (1e-5 if r["step"] == 1 else 1e-4), (r, g)
+
+
+def test_killed_worker_restarts_both_nodes_and_resumes(two_nodes, tmp_path, data_cache):
+    """MAX_RESTARTS=1: a worker of node 1 killed after the step-5 checkpoint makes both agents
+    re-form the world; the workers resume from step 5 and finish with the uninterrupted losses."""
+    dump, _ = two_nodes
+    args = base_args(tmp_path, data_cache, "--training.local_batch_size", "2", "--checkpoint.enable",
+                     "--checkpoint.interval", "5")
+    procs = start_nodes([args, args], free_port(), tmp_path / "logs", extra_env={"MAX_RESTARTS": "1"})
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "checkpoint" / "step-5").exists():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.1)
+        os.kill(workers_of(procs[1])[-1], signal.SIGKILL)
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        stop_everything(procs, str(tmp_path))
+    outputs = "\n".join((tmp_path / "logs" / f"node{i}.log").read_text() for i in range(2))
+    assert codes == [0, 0], outputs[-6000:]
+    assert outputs.count("resumed from") == 1, outputs[-6000:]
+    straight = {r["step"]: r["loss"] for r in train_rows(dump)}
+    last = {r["step"]: r["loss"] for r in train_rows(tmp_path)}  # a repeated step keeps its last row
+    assert max(last) == 10
+    for step in range(6, 11):
+        assert _relative(last[step], straight[step]) <= 1e-5, (step, last[step], straight[step])
