@@ -62,7 +62,7 @@ STOPS = [
          "parallelisms/parallel_dims.py (the mesh) + models/llama3/parallelize.py (the order of apply_*)"),
     Stop("moe_single", 1, [], "Mixture of Experts on one process: the baseline for expert parallel",
          "models/common/moe.py (router, experts)", moe=True, reference="moe_single"),
-    Stop("ep2", 2, ["--parallelism.expert_parallel_degree", "2"],
+    Stop("ep2", 2, ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4"],
          "expert parallel (16.8.2): experts split over ranks, tokens sent to them with all-to-all",
          "parallelisms/expert_parallel.py (ExpertParallelDispatch)", moe=True, reference="moe_single"),
 ]
