@@ -197,7 +197,7 @@ class Trainer:
             keep_latest_k=c.keep_latest_k, load_step=c.load_step, async_mode=c.async_mode,
             last_save_model_only=c.last_save_model_only, export_dtype=c.export_dtype,
             exclude_from_loading=c.exclude_from_loading, is_main=info.is_main,
-            partial_model=self.dims.pp > 1)
+            partial_model=self.dims.pp > 1, shared_folder_wait_seconds=c.shared_folder_wait_seconds)
         # One process per node measures the CPU peak while the others wait, then they read its cache.
         if info.local_rank == 0:
             self.peak = peak_flops(info.device, cfg.metrics.peak_tflops)

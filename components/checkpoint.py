@@ -94,7 +94,8 @@ class CheckpointManager:
     def __init__(self, folder: Path, states: dict[str, Stateful], *, enable: bool, interval: int,
                  keep_latest_k: int = 0, load_step: int = -1, async_mode: str = "disabled",
                  last_save_model_only: bool = False, export_dtype: str = "float32",
-                 exclude_from_loading: str = "", is_main: bool = True, partial_model: bool = False) -> None:
+                 exclude_from_loading: str = "", is_main: bool = True, partial_model: bool = False,
+                 shared_folder_wait_seconds: float = 10.0) -> None:
         self.folder = Path(folder)
         self.states = states
         self.enable = enable
@@ -126,7 +127,7 @@ class CheckpointManager:
             except OSError as e:
                 raise KilnError(f"checkpoint folder {self.folder} is not writable: {e}") from None
         if enable:
-            require_shared(self.folder, "checkpoint folder")
+            require_shared(self.folder, "checkpoint folder", shared_folder_wait_seconds)
 
     # ---------------------------------------------------------------- loading
 

@@ -227,6 +227,10 @@ class Checkpoint:
     create_seed_checkpoint: bool = _opt(
         False, "write the initial weights as step-0 (one process) and exit; any layout can start from it"
     )
+    shared_folder_wait_seconds: float = _opt(
+        10.0, "at start, how long ranks wait to see rank 0's probe file in the folder (NFS caches "
+        "directory listings for seconds) before calling it not shared", _ge(0)
+    )
 
 
 @dataclass

@@ -41,11 +41,11 @@ def unseen_by(folder: Path, wait_seconds: float = 10.0) -> list[tuple[int, str]]
     return [(rank, host) for rank, (ok, host) in enumerate(answers) if not ok]
 
 
-def require_shared(folder: Path, what: str) -> None:
+def require_shared(folder: Path, what: str, wait_seconds: float = 10.0) -> None:
     """Raise on every rank when some rank does not share `folder` with rank 0."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    missing = unseen_by(folder)
+    missing = unseen_by(folder, wait_seconds)
     if missing:
         ranks = ", ".join(str(r) for r, _ in missing)
         hosts = ", ".join(sorted({h for _, h in missing}))

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,13 +23,21 @@ TINY = [
 
 def run_train(args: list[str], nproc: int = 1, *, script: str = "train.py", timeout: int = 300,
               extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run train.py (or a helper script) as one process, or under torchrun --standalone with nproc."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
+    """Run train.py (or a helper script) as one process, or under torchrun --standalone with nproc.
+    One thread per process unless extra_env says otherwise."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     if nproc == 1:
         cmd = [sys.executable, script, *args]
     else:
         cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", script, *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_trains_side_by_side(runs: list[list[str]], timeout: int = 300) -> list[subprocess.CompletedProcess]:
+    """Several independent one-process runs at once (one core each), so a long fixture takes the
+    time of its slowest run rather than the sum."""
+    with ThreadPoolExecutor(len(runs)) as pool:
+        return list(pool.map(lambda args: run_train(args, timeout=timeout), runs))
 
 
 def read_metrics(dump: Path) -> list[dict]:

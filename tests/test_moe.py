@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import TINY, check_ok, fails_with, read_metrics, run_train, train_rows
+from conftest import TINY, check_ok, fails_with, read_metrics, run_train, run_trains_side_by_side, train_rows
 
 from models.common.moe import MoE, MoEArgs
 
@@ -251,16 +251,17 @@ def test_flavor_shapes():
 def debug_runs(tmp_path_factory, data_cache):
     """100 steps of moe_debug (seq 64, batch 8), with the expert bias and without it (measured:
     last-10 loss 5.87 both; mean max/mean load over steps 51-100: 1.47 with the bias, 2.87 without)."""
-    runs = {}
-    for name in ("moe", "moe_nobias"):
-        dump = tmp_path_factory.mktemp(name)
-        check_ok(run_train(["--config", "moe_debug", "--training.seq_len", "64",
-                            "--training.local_batch_size", "8", "--training.global_batch_size", "8",
-                            "--job.custom_import", "tests.helpers.variant_models", "--model.name", name,
-                            "--job.dump_folder", str(dump), "--training.data_cache_dir", str(data_cache)],
-                           timeout=900))
-        runs[name] = train_rows(dump)
-    return runs
+    names = ("moe", "moe_nobias")
+    dumps = [tmp_path_factory.mktemp(name) for name in names]
+    procs = run_trains_side_by_side(
+        [["--config", "moe_debug", "--training.seq_len", "64",
+          "--training.local_batch_size", "8", "--training.global_batch_size", "8",
+          "--job.custom_import", "tests.helpers.variant_models", "--model.name", name,
+          "--job.dump_folder", str(dump), "--training.data_cache_dir", str(data_cache)]
+         for name, dump in zip(names, dumps, strict=True)], timeout=900)
+    for proc in procs:
+        check_ok(proc)
+    return {name: train_rows(dump) for name, dump in zip(names, dumps, strict=True)}
 
 
 def test_moe_debug_learns_and_the_bias_balances_the_load(debug_runs, data_cache):

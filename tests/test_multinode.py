@@ -182,7 +182,8 @@ def test_lost_node_fails_the_other_within_the_timeout(fault, tmp_path, data_cach
 def test_checkpoint_folder_not_shared_is_a_clear_error(tmp_path, data_cache):
     """Each node writing checkpoints to its own disk could never resume: refused at start."""
     args = [base_args(tmp_path / f"node{i}_disk", data_cache, "--training.local_batch_size", "2",
-                      "--checkpoint.enable") for i in range(2)]
+                      "--checkpoint.enable", "--checkpoint.shared_folder_wait_seconds", "2")
+            for i in range(2)]
     procs = start_nodes(args, free_port(), tmp_path / "logs")
     try:
         codes = [p.wait(timeout=240) for p in procs]

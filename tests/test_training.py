@@ -27,7 +27,8 @@ def debug_run(tmp_path_factory, data_cache):
                       "--training.local_batch_size", "8", "--training.global_batch_size", "8",
                       "--job.dump_folder", str(dump), "--training.data_cache_dir", str(data_cache),
                       "--validation.enable", "--validation.freq", "50", "--validation.steps", "8",
-                      "--metrics.enable_tensorboard"], timeout=600)
+                      "--metrics.enable_tensorboard"], timeout=600,
+                     extra_env={"OMP_NUM_THREADS": "2"})  # one process: let it use both cores
     check_ok(proc)
     return dump, proc, data_cache
 
