@@ -11,7 +11,7 @@ import torch.distributed as dist
 from components.errors import KilnError
 
 
-def unseen_by(folder: Path, wait_seconds: float = 10.0) -> list[tuple[int, str]]:
+def unseen_by(folder: Path, wait_seconds: float) -> list[tuple[int, str]]:
     """(rank, host) of every rank that cannot see a file rank 0 writes into `folder`.
 
     Collective: every rank calls it. Rank 0 writes a probe file with a fresh name; the others
@@ -41,8 +41,8 @@ def unseen_by(folder: Path, wait_seconds: float = 10.0) -> list[tuple[int, str]]
     return [(rank, host) for rank, (ok, host) in enumerate(answers) if not ok]
 
 
-def require_shared(folder: Path, what: str, wait_seconds: float = 10.0) -> None:
-    """Raise on every rank when some rank does not share `folder` with rank 0."""
+def require_shared(folder: Path, what: str, wait_seconds: float) -> None:
+    """Raise on every rank when some rank does not share `folder` with rank 0 (seen within wait_seconds)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     missing = unseen_by(folder, wait_seconds)

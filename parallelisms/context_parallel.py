@@ -24,6 +24,7 @@ from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallelisms.blockwise_attention import gathered_attention, ring_attention
+from parallelisms.compile import outside_compile
 
 ROTATE_METHODS = ("allgather", "ring")
 
@@ -67,9 +68,7 @@ class ContextParallelAttention:
         self.method = rotate_method
         self.positions = head_tail_positions(seq_len, self.cp, self.rank)
 
-    # Point-to-point and gathers stay outside compiled graphs. torch's lazy form of
-    # torch.compiler.disable (private): importing this file must not import the compiler (~0.5 s).
-    @torch._disable_dynamo
+    @outside_compile  # point-to-point and gathers stay outside compiled graphs
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.method == "allgather":
             return allgather_attention(q, k, v, self.group)

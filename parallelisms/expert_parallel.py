@@ -14,6 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from parallelisms.compile import outside_compile
+
 
 class ExpertParallelDispatch:
     """dispatch → local experts → combine, installed as MoE.dispatch."""
@@ -22,9 +24,7 @@ class ExpertParallelDispatch:
         self.group = ep_mesh.get_group()
         self.ep = ep_mesh.size()
 
-    # Data-dependent all-to-alls stay outside compiled graphs. torch's lazy form of
-    # torch.compiler.disable (private): importing this file must not import the compiler (~0.5 s).
-    @torch._disable_dynamo
+    @outside_compile  # data-dependent all-to-alls stay outside compiled graphs
     def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         """x [n, dim]: this rank's (token, choice) rows sorted by global expert; counts [E] per expert."""
         ep, group = self.ep, self.group

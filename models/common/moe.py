@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common.feed_forward import FeedForward
+from parallelisms.compile import outside_compile
 
 
 @dataclass
@@ -71,10 +72,8 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
     # Left out of torch.compile: the split sizes change every step (a recompile each time), and the
-    # stacked weights may be DTensors whose local pieces are taken here. torch._disable_dynamo is
-    # torch's lazy form of torch.compiler.disable (private): importing a model must not import the
-    # compiler (~0.5 s per process).
-    @torch._disable_dynamo
+    # stacked weights may be DTensors whose local pieces are taken here.
+    @outside_compile
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [tokens, dim] sorted by expert, counts[e] rows for local expert e → outputs, same order."""
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
