@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from components.checkpoint_states import SafeLoadPlanner
 from components.errors import KilnError
+from components.folders import require_writable
 from components.shared_folder import require_shared
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -119,13 +120,7 @@ class CheckpointManager:
             # Its own group: async writes on the default group collide with training collectives.
             self._pg = dist.new_group(backend="gloo")
         if enable and is_main:
-            try:
-                self.folder.mkdir(parents=True, exist_ok=True)
-                probe = self.folder / f".write-test-{time.time_ns()}"
-                probe.touch()
-                probe.unlink()
-            except OSError as e:
-                raise KilnError(f"checkpoint folder {self.folder} is not writable: {e}") from None
+            require_writable(self.folder, "checkpoint folder")
         if enable:
             require_shared(self.folder, "checkpoint folder", shared_folder_wait_seconds)
 

@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 import platform
 import resource
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from components.errors import KilnError
+from components.folders import require_writable
 from components.peak_flops import PeakFlops
 
 
@@ -49,13 +48,7 @@ class MetricsLogger:
         self._file = None
         self._tensorboard_dir = tensorboard_dir
         if is_main:  # fail at start-up, not at the first logged step, if the folder is unusable
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                probe = self.path.parent / f".write-test-{os.getpid()}"
-                probe.touch()
-                probe.unlink()
-            except OSError as e:
-                raise KilnError(f"job.dump_folder {self.path.parent} is not writable: {e}") from None
+            require_writable(self.path.parent, "job.dump_folder")
 
     def open(self, append: bool, start_step: int = 0) -> None:
         """Start writing: append to metrics.jsonl when resuming, else start it afresh. The ETA

@@ -2,6 +2,7 @@
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -31,6 +32,21 @@ def build_optimizer(model: nn.Module, name: str, lr: float, betas: tuple[float, 
                          **flags[implementation])
 
 
+# Decay shapes: progress in [0, 1] through the decay → the fraction of the way from lr to min_lr left.
+DECAY_SHAPES = {
+    "linear": lambda progress: 1.0 - progress,
+    "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
+    "sqrt": lambda progress: 1.0 - math.sqrt(progress),
+}
+
+
+def decay_shape(decay_type: str) -> Callable[[float], float]:
+    """The decay curve named decay_type; an unknown name is an error that lists the known ones."""
+    if decay_type not in DECAY_SHAPES:
+        raise KilnError(f"unknown lr_scheduler.decay_type {decay_type!r}; choose {'/'.join(DECAY_SHAPES)}")
+    return DECAY_SHAPES[decay_type]
+
+
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay_ratio: float,
               decay_type: str, min_lr_factor: float) -> float:
     """Multiplier of the peak LR at `step` (0-based count of optimizer steps taken so far).
@@ -46,22 +62,13 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay_ratio: fl
     if step <= decay_start:
         return 1.0
     progress = min(1.0, (step - decay_start) / decay_steps)
-    if decay_type == "linear":
-        shape = 1.0 - progress
-    elif decay_type == "cosine":
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    elif decay_type == "sqrt":
-        shape = 1.0 - math.sqrt(progress)
-    else:
-        raise KilnError(f"unknown lr_scheduler.decay_type {decay_type!r}; choose linear/cosine/sqrt")
-    return min_lr_factor + (1.0 - min_lr_factor) * shape
+    return min_lr_factor + (1.0 - min_lr_factor) * decay_shape(decay_type)(progress)
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int,
                        decay_ratio: float, decay_type: str, min_lr_factor: float) -> LambdaLR:
     """A LambdaLR over lr_factor (Stateful through its state_dict, so it resumes exactly)."""
-    if decay_type not in ("linear", "cosine", "sqrt"):
-        raise KilnError(f"unknown lr_scheduler.decay_type {decay_type!r}; choose linear/cosine/sqrt")
+    decay_shape(decay_type)  # fails now rather than at the first decaying step
     if not 0.0 <= decay_ratio <= 1.0:
         raise KilnError(f"lr_scheduler.decay_ratio must be in [0, 1], got {decay_ratio}")
     fn = functools.partial(lr_factor, warmup_steps=warmup_steps, total_steps=total_steps,

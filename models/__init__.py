@@ -2,15 +2,20 @@
 
 Adding a model is a new folder under models/ whose __init__.py calls register_model_spec(), one
 import line at the bottom of this file, and a TOML. A model outside the repo registers itself
-the same way from a module named in `--job.custom_import`.
+the same way from a module named in `--job.custom_import`. What a model must offer is written
+down, and checked at registration, in models/protocol.py.
 """
 
+import copy
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from models.protocol import check_contract
 
 
 @dataclass
@@ -20,11 +25,14 @@ class ModelSpec:
     name: str
     flavors: dict[str, Any]  # flavor name → model args dataclass
     model_cls: Callable[[Any], nn.Module]  # model_cls(args) builds the plain model
-    parallelize_fn: Callable[..., nn.Module]  # (model, parallel_dims, job_config) → model
+    # (model, parallel_dims, parallel_options) → the model, parallelized in place
+    parallelize_fn: Callable[..., nn.Module]
     flops_per_token_fn: Callable[[Any, int, int], int]  # (args, num_params, seq_len) → FLOPs
     # (whole meta model, layer indices, is_first, is_last) → the stage's model; None = no PP.
     pipeline_fn: Callable[..., nn.Module] | None = None
     state_dict_adapter: type | None = None  # converts to/from Hugging Face names
+    # (args, parallel_dims) → problems this family has with a layout, beside the generic checks.
+    check_fn: Callable[[Any, Any], list[str]] | None = None
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -35,9 +43,11 @@ class UnknownModelError(LookupError):
 
 
 def register_model_spec(spec: ModelSpec) -> None:
-    """Make a model family available under spec.name (registering a name twice is an error)."""
+    """Make a model family available under spec.name, once its flavors and model meet the contract
+    (registering another spec under a taken name is an error)."""
     if spec.name in _REGISTRY and _REGISTRY[spec.name] is not spec:
         raise ValueError(f"a model named {spec.name!r} is already registered")
+    check_contract(spec.name, spec.flavors, spec.model_cls)
     _REGISTRY[spec.name] = spec
 
 
@@ -52,8 +62,6 @@ def get_model_spec(name: str) -> ModelSpec:
 
 def get_model_args(spec: ModelSpec, flavor: str) -> Any:
     """A fresh copy of the args of `flavor`; an unknown flavor lists the model's flavors."""
-    import copy
-
     if flavor not in spec.flavors:
         raise UnknownModelError(
             f"unknown model.flavor {flavor!r} for model {spec.name!r}; "
@@ -67,8 +75,6 @@ def build_plain_model(name: str, flavor: str, custom_import: str = "",
     """(model, spec, args) for one-process tools (conversion, generation): built without random
     init, buffers filled and shared weights tied; the weights are meant to be loaded next."""
     if custom_import:
-        import importlib
-
         importlib.import_module(custom_import)
     spec = get_model_spec(name)
     args = get_model_args(spec, flavor)

@@ -27,23 +27,12 @@ def apply_ac(model: nn.Module, mode: str, selective_option: str = "2") -> None:
     Nth block (selective_option = "N") or every block with the per-op policy (selective_option = "op").
 
     checkpoint_wrapper is non-reentrant and its state-dict hooks keep the parameter names, so
-    checkpoints do not depend on this option.
+    checkpoints do not depend on this option. The config checks the mode and option.
     """
     if mode == "none":
         return
-    if mode not in ("full", "selective"):
-        raise ValueError(f"activation_checkpoint.mode must be none/full/selective, got {mode!r}")
-    every, per_op = 1, False
-    if mode == "selective":
-        if selective_option == "op":
-            per_op = True
-        elif selective_option.isdigit() and int(selective_option) >= 1:
-            every = int(selective_option)
-        else:
-            raise ValueError(
-                f"activation_checkpoint.selective_ac_option must be a positive integer or 'op', "
-                f"got {selective_option!r}"
-            )
+    per_op = mode == "selective" and selective_option == "op"
+    every = int(selective_option) if mode == "selective" and not per_op else 1
     for i, (name, block) in enumerate(list(model.layers.items())):
         if i % every != 0:
             continue

@@ -3,11 +3,6 @@
 import torch
 from torch import nn
 
-# Decorator: the function runs eagerly, outside compiled graphs (a graph break at the call).
-# torch._disable_dynamo is torch's lazy form of torch.compiler.disable (private): it imports the
-# compiler at the first call, not at import, so importing Kiln stays ~0.5 s per process cheaper.
-outside_compile = torch._disable_dynamo
-
 
 def apply_compile(model: nn.Module, tensor_parallel: bool = False) -> None:
     """Compile each block of model.layers (blocks share one graph, so compile time stays small).

@@ -10,8 +10,10 @@ on S/cp tokens per rank and only attention talks to the other ranks, in one of t
 Either way attention runs one chunk pair at a time, merging by log-sum-exp and skipping pairs
 the causal mask hides (parallelisms/blockwise_attention.py).
 
-Kiln's own implementation on every device: torch's `context_parallel` fails on CPU (no sharding
-strategy for the CPU SDPA kernels, see TORCH_ON_CPU.md) and shards buffers with its own layout,
+Kiln's own implementation on every device: torch's `context_parallel` fails on CPU (torch 2.13:
+"_scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
+registered"; with the math backend, "aten.add.Tensor got mixed torch.Tensor and DTensor") and
+shards buffers with its own layout,
 which would tie Kiln's data and RoPE positions to a private API.
 """
 
@@ -23,8 +25,9 @@ from torch import nn
 from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
+from components.eager import outside_compile
+from components.errors import KilnError
 from parallelisms.blockwise_attention import gathered_attention, ring_attention
-from parallelisms.compile import outside_compile
 
 ROTATE_METHODS = ("allgather", "ring")
 
@@ -32,7 +35,7 @@ ROTATE_METHODS = ("allgather", "ring")
 def head_tail_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     """The sequence positions this cp rank keeps: chunk `rank` then chunk `2·cp−1−rank`."""
     if seq_len % (2 * cp) != 0:
-        raise ValueError(f"seq_len {seq_len} is not divisible by 2 × cp = {2 * cp}")
+        raise KilnError(f"seq_len {seq_len} is not divisible by 2 × cp = {2 * cp}")
     chunk = seq_len // (2 * cp)
     first, second = rank, 2 * cp - 1 - rank
     return torch.cat([torch.arange(first * chunk, (first + 1) * chunk),
@@ -61,7 +64,7 @@ class ContextParallelAttention:
 
     def __init__(self, cp_mesh: DeviceMesh, seq_len: int, rotate_method: str) -> None:
         if rotate_method not in ROTATE_METHODS:
-            raise ValueError(f"context_parallel_rotate_method must be one of {', '.join(ROTATE_METHODS)}, "
+            raise KilnError(f"context_parallel_rotate_method must be one of {', '.join(ROTATE_METHODS)}, "
                              f"got {rotate_method!r}")
         self.group = cp_mesh.get_group()
         self.cp, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
@@ -81,8 +84,11 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, rotate_method:
     The model's RoPE table is read at this rank's positions (`rope_positions`), and every module
     with a `core_attention` attribute gets the context-parallel attention.
     """
+    attention = [m for m in model.modules() if hasattr(m, "core_attention")]
+    if not attention or not hasattr(model, "rope_positions"):
+        raise KilnError("context parallel needs the model's hooks `rope_positions` and `core_attention` "
+                        "on its attention modules (models/protocol.py); this model lacks them")
     core: Callable = ContextParallelAttention(cp_mesh, seq_len, rotate_method)
     model.rope_positions = core.positions
-    for module in model.modules():
-        if hasattr(module, "core_attention"):
-            module.core_attention = core
+    for module in attention:
+        module.core_attention = core

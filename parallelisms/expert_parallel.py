@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from parallelisms.compile import outside_compile
+from components.eager import outside_compile
 
 
 class ExpertParallelDispatch:
@@ -77,12 +77,10 @@ def _source_major_to_expert_major(recv: torch.Tensor) -> torch.Tensor:
 
 
 def apply_ep(moe_layers: list[nn.Module], ep_mesh: DeviceMesh) -> None:
-    """Shard every MoE layer's stacked expert weights over ep_mesh (dim 0) and route tokens over it."""
+    """Shard every MoE layer's stacked expert weights over ep_mesh (dim 0) and route tokens over it
+    (the layout checks make sure ep divides the number of experts)."""
     dispatch = ExpertParallelDispatch(ep_mesh)
     for moe in moe_layers:
-        if moe.args.num_experts % ep_mesh.size() != 0:
-            raise ValueError(f"expert_parallel_degree {ep_mesh.size()} must divide num_experts "
-                             f"{moe.args.num_experts}")
         experts = moe.experts
         for name, param in list(experts.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)

@@ -5,6 +5,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from components.errors import KilnError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -31,11 +33,11 @@ def apply_fsdp(
     elif reshard_after_forward in ("always", "never"):
         reshard = reshard_after_forward == "always"
     else:
-        raise ValueError(f"reshard_after_forward must be default/always/never, got {reshard_after_forward!r}")
+        raise KilnError(f"reshard_after_forward must be default/always/never, got {reshard_after_forward!r}")
     kwargs = {"mesh": mesh, "mp_policy": mp_policy}
     embed = getattr(model, "tok_embeddings", None)
     output = getattr(model, "output", None)
-    tied = embed is not None and output is not None and output.weight is embed.weight
+    tied = embed is not None and output is not None and shares_parameters(embed, output)
     if embed is not None and not tied:
         fully_shard(embed, reshard_after_forward=reshard, **kwargs)
     for block in model.layers.values():
@@ -47,6 +49,11 @@ def apply_fsdp(
         fully_shard(tail, reshard_after_forward=False, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
+
+
+def shares_parameters(a: nn.Module, b: nn.Module) -> bool:
+    """Whether two modules hold a parameter in common (tied input and output embeddings)."""
+    return bool({id(p) for p in a.parameters()} & {id(p) for p in b.parameters()})
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:

@@ -1,7 +1,8 @@
 """Layout-invariant initialisation: the same seed gives the same full weights in every layout.
 
 torch's route (meta → shard → to_empty → init_weights on DTensors) gives every shard the same
-random values on a CPU mesh (TORCH_ON_CPU.md), so Kiln initialises one full, plain copy of the
+random values on a CPU mesh (torch warns "DTensor random operators may not have complete support
+on cpu device mesh", measured on torch 2.13), so Kiln initialises one full, plain copy of the
 model from the seed and gives each rank its slice of every tensor. No communication is needed:
 every rank computes the same full tensors and distribute_tensor(src_data_rank=None) only slices.
 This holds the full model once per rank for a moment; a model that does not fit should start

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from components.errors import KilnError
+from components.parallel_options import ParallelOptions
+from parallelisms.layout_checks import ModelShape, layout_problems
 
 # Outermost to innermost: TP ranks are neighbours (fastest links), PP the farthest apart.
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -80,37 +82,22 @@ class ParallelDims:
 
     def check_model(self, *, n_heads: int, n_kv_heads: int, n_layers: int, seq_len: int,
                     vocab_size: int | None = None) -> None:
-        """Reject degrees that cannot split this model; messages name the numbers."""
-        if self.tp > 1:
-            if n_heads % self.tp != 0:
-                raise KilnError(
-                    f"tensor_parallel_degree {self.tp} must divide the model's {n_heads} attention heads"
-                )
-            if n_kv_heads % self.tp != 0:
-                raise KilnError(
-                    f"tensor_parallel_degree {self.tp} must divide the model's {n_kv_heads} key/value "
-                    f"heads (GQA with fewer KV heads than TP ranks is not supported)"
-                )
-            if vocab_size is not None and vocab_size % self.tp != 0:
-                raise KilnError(
-                    f"tensor_parallel_degree {self.tp} must divide the vocabulary size {vocab_size} "
-                    f"(the embedding and output head are split over it)"
-                )
-            if seq_len % (self.tp * self.cp) != 0:
-                raise KilnError(
-                    f"training.seq_len {seq_len} must be divisible by tensor_parallel_degree "
-                    f"{self.tp}" + (f" × context_parallel_degree {self.cp}" if self.cp > 1 else "")
-                    + " (sequence parallel shards each rank's sequence)"
-                )
-        if self.cp > 1 and seq_len % (2 * self.cp) != 0:
-            raise KilnError(
-                f"training.seq_len {seq_len} must be divisible by 2 × context_parallel_degree = "
-                f"{2 * self.cp} (load-balanced causal sharding)"
-            )
-        if self.pp > n_layers:
-            raise KilnError(
-                f"pipeline_parallel_degree {self.pp} is more than the model's {n_layers} layers"
-            )
+        """Reject degrees that cannot split this model's heads, vocabulary, layers or sequence."""
+        shape = ModelShape(n_heads=n_heads, n_kv_heads=n_kv_heads, n_layers=n_layers,
+                           vocab_size=vocab_size)
+        self.check_layout(shape, ParallelOptions(seq_len=seq_len))
+
+    def check_layout(self, model: ModelShape, options: ParallelOptions, *, device_type: str = "cpu",
+                     global_batch: int | None = None, document_mask: bool = False,
+                     extra: list[str] | None = None) -> None:
+        """Raise one KilnError listing every reason this layout cannot run this model (with `extra`
+        problems found by the model's own check); nothing when it can."""
+        problems = layout_problems(self, model, options, device_type=device_type,
+                                   global_batch=global_batch, document_mask=document_mask)
+        problems += extra or []
+        if problems:
+            raise KilnError(problems[0] if len(problems) == 1 else
+                            f"{len(problems)} problems with this layout: " + "; ".join(problems))
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """Create the world mesh (dims of degree 1 are left out) and its flattened views."""
@@ -151,13 +138,35 @@ class ParallelDims:
             return self.world_mesh[name]
         return None
 
+    def describe(self, options: ParallelOptions, n_stages: int = 1, n_microbatches: int = 0) -> str:
+        """The degrees and the layout in words for the start-up summary, e.g.
+        "pp 1 × dp_replicate 1 × dp_shard 2 × cp 1 × tp 2 → TP 2 (…) × FSDP2 over 2 ranks"."""
+        if self.world_size == 1:
+            mode = "single process"
+        elif self.hsdp_enabled:
+            mode = f"HSDP: {self.dp_replicate} replicas × FSDP2 over {self.dp_shard}"
+        elif self.fsdp_enabled:
+            mode = f"FSDP2 over {self.dp_shard * self.cp} ranks"
+        elif self.ddp_enabled:
+            mode = f"DDP over {self.dp_replicate} ranks"
+        else:
+            mode = "no data parallelism"
+        if self.cp > 1:
+            mode = f"CP {self.cp} ({options.cp_rotate_method}, head-tail load balanced) × {mode}"
+        if self.tp > 1:
+            tp = f"TP {self.tp} (sequence parallel, loss parallel {'on' if options.loss_parallel else 'off'})"
+            mode = f"{tp} × {mode}" if self.dp * self.cp > 1 else tp
+        if self.pp > 1:
+            pp = f"PP {self.pp} ({options.pp_schedule}, {n_stages} stages, {n_microbatches} microbatches)"
+            mode = pp if mode in ("no data parallelism", "single process") else f"{pp} × {mode}"
+        degrees = " × ".join(f"{name} {getattr(self, name)}" for name in MESH_ORDER)
+        return f"{degrees} → {mode}"
+
     def fsdp_mesh(self) -> DeviceMesh | None:
         """The mesh FSDP shards over: 1-D (dp_shard_cp) for FSDP, 2-D (dp_replicate, dp_shard) for HSDP."""
         if not self.fsdp_enabled:
             return None
         if self.hsdp_enabled:
-            if self.cp > 1:
-                raise KilnError("HSDP combined with context parallel is not supported yet")
             return self.world_mesh[("dp_replicate", "dp_shard")]
         return self.mesh("dp_shard_cp")
 
@@ -169,7 +178,7 @@ class ParallelDims:
         return self.expert_mesh["dp_shard_mod_ep"]
 
     def release(self) -> None:
-        """Drop every mesh reference (a live mesh at exit can abort the process, see TORCH_ON_CPU.md)."""
+        """Drop every mesh reference (a live mesh at exit can abort the process: distributed.exit_cleanly)."""
         self._views.clear()
         self.world_mesh = None
         self.expert_mesh = None

@@ -14,6 +14,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from components.errors import KilnError
+from components.local_tensor import local_tensor
+
 # torch.distributed.pipelining imports the compiler (~0.5 s per process), so it is imported only
 # where a pipeline is built: runs without one start faster.
 if TYPE_CHECKING:
@@ -29,7 +32,7 @@ SCHEDULES = SINGLE_STAGE + LOOP_STAGES + V_STAGES
 def stages_per_rank(schedule: str) -> int:
     """Single-stage schedules hold one stage per rank; the others here hold two."""
     if schedule not in SCHEDULES:
-        raise ValueError(f"unknown parallelism.pipeline_parallel_schedule {schedule!r}; "
+        raise KilnError(f"unknown parallelism.pipeline_parallel_schedule {schedule!r}; "
                          f"choose from {', '.join(SCHEDULES)}")
     return 1 if schedule in SINGLE_STAGE else 2
 
@@ -49,10 +52,10 @@ def split_layers(n_layers: int, num_stages: int, layers_per_stage: int = -1) -> 
     also carry the embedding and the output head.
     """
     if num_stages > n_layers:
-        raise ValueError(f"{num_stages} pipeline stages are more than the model's {n_layers} layers")
+        raise KilnError(f"{num_stages} pipeline stages are more than the model's {n_layers} layers")
     if layers_per_stage > 0:
         if layers_per_stage * (num_stages - 1) >= n_layers:
-            raise ValueError(f"pipeline_parallel_layers_per_stage {layers_per_stage} leaves no layer for "
+            raise KilnError(f"pipeline_parallel_layers_per_stage {layers_per_stage} leaves no layer for "
                              f"the last of {num_stages} stages ({n_layers} layers)")
         sizes = [layers_per_stage] * (num_stages - 1) + [n_layers - layers_per_stage * (num_stages - 1)]
     else:
@@ -79,14 +82,14 @@ def parse_stage_layers(spec: str, n_layers: int, num_stages: int) -> list[list[i
         try:
             lo, hi = int(first), int(last or first)
         except ValueError:
-            raise ValueError(
+            raise KilnError(
                 f"pipeline_parallel_stage_layers: {group!r} is not a layer or a range a-b") from None
         stages.append(list(range(lo, hi + 1)))
     if len(stages) != num_stages:
-        raise ValueError(f"pipeline_parallel_stage_layers names {len(stages)} stages but the schedule "
+        raise KilnError(f"pipeline_parallel_stage_layers names {len(stages)} stages but the schedule "
                          f"runs {num_stages}")
     if [i for s in stages for i in s] != list(range(n_layers)) or any(not s for s in stages):
-        raise ValueError(f"pipeline_parallel_stage_layers {spec!r} must cover layers 0..{n_layers - 1} "
+        raise KilnError(f"pipeline_parallel_stage_layers {spec!r} must cover layers 0..{n_layers - 1} "
                          f"once each, in order, with at least one layer per stage")
     return stages
 
@@ -163,6 +166,7 @@ class PipelineRunner:
         self.loss_fn = loss_fn
         self.has_first = any(s.stage_index == 0 for s in stages)
         self.has_last = any(s.stage_index == num_stages - 1 for s in stages)
+        self.n_microbatches = n_microbatches
         self.schedule = build_schedule(schedule_name, stages, n_microbatches, self._scaled_loss)
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -181,12 +185,6 @@ class PipelineRunner:
             self.schedule.eval(*args, target=target, losses=losses)
         total = torch.zeros((), dtype=torch.float32, device=labels.device)
         for loss in losses:
-            total += _plain(loss.detach()).float()
+            total += local_tensor(loss.detach()).float()
         return total / scale
 
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor (the loss under loss parallel) as a plain tensor."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t

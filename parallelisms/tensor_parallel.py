@@ -12,7 +12,31 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from components.errors import KilnError
+
+
+def transformer_top_plan(shard_logits: bool) -> dict[str, ParallelStyle]:
+    """The plan for the ends of a model (models/protocol.py): the embedding split by vocabulary rows
+    and sending sequence shards, the final norm sequence-parallel, the output head split by
+    vocabulary columns; shard_logits (loss parallel) keeps the logits sharded into the loss."""
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if shard_logits else Replicate(),
+            use_local_output=not shard_logits,
+        ),
+    }
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, top_plan: dict[str, ParallelStyle],
@@ -22,6 +46,18 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, top_plan: dict[str, Parallel
     parallelize_module(model, tp_mesh, {k: v for k, v in top_plan.items() if _has(model, k)})
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan(block))
+
+
+def require_plan_covers(model: nn.Module) -> None:
+    """Refuse a TP plan that leaves parameters plain: torch's optimizers and Kiln's grad clipping
+    cannot mix plain tensors with DTensors (a foreach kernel fails on "mixed torch.Tensor and
+    DTensor"). A small module every TP rank runs whole (a norm, a router) takes ReplicateParallel."""
+    plain = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if plain:
+        more = f" and {len(plain) - 3} more" if len(plain) > 3 else ""
+        raise KilnError(f"the tensor-parallel plan leaves parameters plain: {', '.join(plain[:3])}{more}; "
+                        "give every module with parameters a style (ReplicateParallel for one that every "
+                        "TP rank runs whole)")
 
 
 class _SumGradients(torch.autograd.Function):
@@ -103,22 +139,11 @@ def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
     return loss_parallel() if enabled else contextlib.nullcontext()
 
 
-def local_value(t: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor scalar (the loss under loss parallel) as a plain tensor."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def enable_async_tp(tp_mesh: DeviceMesh, device_type: str, compiled: bool) -> None:
-    """Overlap TP communication with compute (micro-pipelined TP, CUDA symmetric memory)."""
-    if device_type != "cuda":
-        raise ValueError("parallelism.enable_async_tensor_parallel needs CUDA GPUs (symmetric memory); "
-                         "it is not available on CPU")
-    if not compiled:
-        raise ValueError("parallelism.enable_async_tensor_parallel needs --compile.enable (the "
-                         "overlap is done by inductor)")
+def enable_async_tp(tp_mesh: DeviceMesh) -> None:
+    """Overlap TP communication with compute (micro-pipelined TP through inductor, CUDA symmetric
+    memory; the layout checks make sure of CUDA and compile)."""
     # Private torch APIs, as TorchTitan uses them: async TP has no public switch in torch 2.13.
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     torch._inductor.config._micro_pipeline_tp = True
     enable_symm_mem_for_group(tp_mesh.get_group().group_name)
-

@@ -144,11 +144,11 @@ def model_size(config: dict) -> str:
             total = sum(p.numel() for p in spec.model_cls(args).parameters())
     except Exception:  # an unknown or custom model: the report still draws the curves
         return "?"
-    moe = getattr(args, "moe", None)
-    if moe is None:
+    if getattr(args, "moe", None) is None:
         return f"{total / 1e6:,.2f}M parameters"
-    moe_layers = args.n_layers - getattr(args, "n_dense_layers", 0)
-    active = total - moe_layers * (moe.num_experts - moe.top_k) * 3 * args.dim * moe.hidden_dim
+    from models.moe.model import inactive_expert_params
+
+    active = total - inactive_expert_params(args)
     return f"{total / 1e6:,.2f}M parameters ({active / 1e6:,.2f}M active)"
 
 

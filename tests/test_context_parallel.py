@@ -23,13 +23,14 @@ def test_attention_matches_full_attention(cp):
 
 
 def test_head_tail_positions():
+    from components.errors import KilnError
     from parallelisms.context_parallel import head_tail_positions
 
     shards = [head_tail_positions(16, 2, r).tolist() for r in range(2)]
     assert shards == [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]]
     every = sorted(p for r in range(4) for p in head_tail_positions(32, 4, r).tolist())
     assert every == list(range(32))
-    with pytest.raises(ValueError, match="divisible"):
+    with pytest.raises(KilnError, match="divisible"):
         head_tail_positions(30, 4, 0)
 
 

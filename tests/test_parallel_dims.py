@@ -3,6 +3,8 @@
 import pytest
 
 from components.errors import KilnError
+from components.parallel_options import ParallelOptions
+from parallelisms.layout_checks import ModelShape
 from parallelisms.parallel_dims import ParallelDims
 
 
@@ -104,3 +106,25 @@ def test_tp_must_divide_vocab() -> None:
     with pytest.raises(KilnError, match="vocabulary size 1001"):
         dims(2, tp=2).check_model(n_heads=4, n_kv_heads=2, n_layers=2, seq_len=64, vocab_size=1001)
     dims(2, tp=2).check_model(n_heads=4, n_kv_heads=2, n_layers=2, seq_len=64, vocab_size=1000)
+
+
+def test_every_problem_is_listed_at_once() -> None:
+    """A layout with several faults names them all in one message, not the first one only."""
+    model = ModelShape(n_heads=6, n_kv_heads=6, n_layers=2, vocab_size=1001, tied_embeddings=True)
+    with pytest.raises(KilnError) as e:
+        dims(4, pp=2, shard=1, tp=2).check_layout(
+            model, ParallelOptions(seq_len=31, pp_schedule="Interleaved1F1B", pp_microbatch_size=3),
+            global_batch=8)
+    msg = str(e.value)
+    assert msg.startswith("5 problems with this layout: "), msg
+    for words in ("vocabulary size 1001", "seq_len 31", "tied embeddings", "4 pipeline stages are more than",
+                  "not divisible by parallelism.pipeline_parallel_microbatch_size 3"):
+        assert words in msg, (words, msg)
+
+
+def test_model_family_check_joins_the_list() -> None:
+    shape = ModelShape(n_heads=4, n_kv_heads=4, n_layers=2, num_experts=8)
+    with pytest.raises(KilnError, match="must divide num_experts 8; top_k"):
+        dims(6, ep=3).check_layout(shape, ParallelOptions(seq_len=64), extra=["top_k is too large"])
+    with pytest.raises(KilnError, match="needs a Mixture-of-Experts model"):
+        dims(2, ep=2).check_layout(ModelShape(n_heads=4, n_kv_heads=4, n_layers=2), ParallelOptions())

@@ -1,5 +1,6 @@
 """Tests the model registry: lookups, helpful errors, copied flavor args, outside registration."""
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -17,33 +18,63 @@ from models import (
 )
 from models.llama3.flavors import LLAMA3_FLAVORS
 from models.llama3.model import LlamaArgs, Transformer
+from models.protocol import ModelContractError
 
 
 @dataclass
 class ToyArgs:
-    """Shape of the toy model a user might register from outside models/."""
+    """Shape of the toy model a user might register from outside models/ (the contract's fields)."""
 
-    width: int = 3
+    dim: int = 3
+    n_layers: int = 2
+    n_heads: int = 1
+    kv_heads: int = 1
+    vocab_size: int = 16
+    max_seq_len: int = 8
 
 
-def toy_spec(name: str = "toy_outside") -> ModelSpec:
+class ToyModel(nn.Module):
+    """The smallest model that meets the contract (models/protocol.py): blocks in `layers`, and
+    init_weights / init_buffers."""
+
+    def __init__(self, args: ToyArgs) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): nn.Linear(args.dim, args.dim) for i in range(args.n_layers)})
+
+    def init_weights(self, buffer_device=None) -> None:
+        for layer in self.layers.values():
+            layer.reset_parameters()
+
+    def init_buffers(self, device=None) -> None:
+        pass
+
+
+def toy_spec(name: str = "toy_outside", model_cls=ToyModel, **arg_changes) -> ModelSpec:
     """A minimal ModelSpec defined here, not in models/, as a custom_import module would."""
     return ModelSpec(
         name=name,
-        flavors={"small": ToyArgs(3), "big": ToyArgs(7)},
-        model_cls=lambda args: nn.Linear(args.width, args.width),
+        flavors={"small": ToyArgs(3, **arg_changes), "big": ToyArgs(7, **arg_changes)},
+        model_cls=model_cls,
         parallelize_fn=lambda model, *_: model,
         flops_per_token_fn=lambda args, n, s: 6 * n,
     )
 
 
+@contextlib.contextmanager
+def saved_registry() -> Iterator[None]:
+    """Restores the registry afterwards so registrations never leak into other tests."""
+    saved = dict(models._REGISTRY)
+    try:
+        yield
+    finally:
+        models._REGISTRY.clear()
+        models._REGISTRY.update(saved)
+
+
 @pytest.fixture
 def clean_registry() -> Iterator[None]:
-    """Restores the registry afterwards so registrations in a test never leak into others."""
-    saved = dict(models._REGISTRY)
-    yield
-    models._REGISTRY.clear()
-    models._REGISTRY.update(saved)
+    with saved_registry():
+        yield
 
 
 def test_llama3_is_registered() -> None:
@@ -83,20 +114,47 @@ def test_model_args_are_a_copy() -> None:
     assert spec.flavors["8B"].rope_scaling.scale_factor == 8.0
 
 
-def test_register_from_outside(clean_registry: None) -> None:
-    spec = toy_spec()
-    register_model_spec(spec)
-    assert get_model_spec("toy_outside") is spec
-    assert "toy_outside" in registered_models()
-    args = get_model_args(spec, "big")
-    assert spec.model_cls(args).weight.shape == (7, 7)
-    register_model_spec(spec)  # the same object again is harmless (a re-import)
-    assert get_model_spec("toy_outside") is spec
+def test_register_from_outside() -> None:
+    with saved_registry():
+        spec = toy_spec()
+        register_model_spec(spec)
+        assert get_model_spec("toy_outside") is spec
+        assert "toy_outside" in registered_models()
+        args = get_model_args(spec, "big")
+        assert spec.model_cls(args).layers["1"].weight.shape == (7, 7)
+        register_model_spec(spec)  # the same object again is harmless (a re-import)
+        assert get_model_spec("toy_outside") is spec
+    assert "toy_outside" not in registered_models()  # the helper restored the registry
 
 
-def test_registry_cleaned_up() -> None:
-    # Runs after test_register_from_outside in file order: its fixture restored the registry.
-    assert "toy_outside" not in registered_models()
+class NoLayers(nn.Module):
+    """Breaks the contract: its blocks are a list, and it cannot initialise itself."""
+
+    def __init__(self, args: ToyArgs) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(args.dim, args.dim)])
+
+
+@dataclass
+class ArgsWithoutHeads:
+    dim: int = 3
+    n_layers: int = 1
+    vocab_size: int = 16
+    max_seq_len: int = 8
+
+
+def test_contract_is_checked_at_registration(clean_registry: None) -> None:
+    with pytest.raises(ModelContractError) as e:
+        register_model_spec(toy_spec("no_layers", model_cls=NoLayers))
+    msg = str(e.value)
+    for words in ("'no_layers'", "models/protocol.py", "init_weights", "init_buffers", "model.layers"):
+        assert words in msg, msg
+    bad_args = ModelSpec(name="no_heads", flavors={"small": ArgsWithoutHeads()}, model_cls=ToyModel,
+                         parallelize_fn=lambda model, *_: model, flops_per_token_fn=lambda a, n, s: 6 * n)
+    with pytest.raises(ModelContractError) as e:
+        register_model_spec(bad_args)
+    assert "flavor 'small'" in str(e.value) and "`n_heads`" in str(e.value) and "`kv_heads`" in str(e.value)
+    assert "no_layers" not in registered_models() and "no_heads" not in registered_models()
 
 
 def test_double_registration_with_other_spec_fails(clean_registry: None) -> None:

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from components.eager import outside_compile
+from components.local_tensor import local_tensor
 from models.common.feed_forward import FeedForward
-from parallelisms.compile import outside_compile
 
 
 @dataclass
@@ -33,11 +34,6 @@ class MoEArgs:
     route_scale: float = 1.0
     load_balance_coeff: float | None = 1e-3  # expert-bias step per update; None = no bias
     aux_loss_coeff: float = 0.0  # weight of the load-balancing auxiliary loss; 0 = off
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local tensor of a DTensor parameter (tensor / expert parallel), the tensor otherwise."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class TopKRouter(nn.Module):
@@ -76,7 +72,7 @@ class GroupedExperts(nn.Module):
     @outside_compile
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [tokens, dim] sorted by expert, counts[e] rows for local expert e → outputs, same order."""
-        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
         if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
             # One grouped GEMM per projection (CUDA bf16). Its backward fails on CPU in torch 2.13,
             # so CPU takes the loop below.

@@ -51,16 +51,20 @@ class TransformerBlock(nn.Module):
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.init_std = 0.02 / (2 * depth) ** 0.5
 
+    def mlp(self) -> nn.Module:
+        """The module after the second norm: the feed-forward (a subclass may swap in an MoE layer)."""
+        return self.feed_forward
+
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, doc_ids)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + self.mlp()(self.ffn_norm(h))
 
     def init_weights(self) -> None:
         self.attention_norm.reset_parameters()
         self.ffn_norm.reset_parameters()
         self.attention.init_weights(self.init_std)
-        self.feed_forward.init_weights(self.init_std)
+        self.mlp().init_weights(self.init_std)
 
 
 class Transformer(nn.Module):

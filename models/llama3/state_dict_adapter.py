@@ -12,9 +12,9 @@ from models.common.feed_forward import swiglu_hidden_dim
 from models.llama3.model import LlamaArgs
 
 # Kiln name → Hugging Face name, for the parameters outside the blocks and inside block {i}.
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
-_BLOCK = {
+BLOCK_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
@@ -25,8 +25,8 @@ _BLOCK = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_KILN_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
-_HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
+KILN_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")  # a block's parameter: (index, name inside the block)
+HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Fields of config.json that fix the weights' meaning, compared in this order (HF defaults if absent).
 _HF_DEFAULTS: dict[str, Any] = {
     "model_type": "llama", "hidden_size": None, "num_hidden_layers": None,
@@ -70,7 +70,7 @@ class LlamaStateDictAdapter:
         self.args = args
 
     def _expected_kiln_keys(self) -> list[str]:
-        blocks = [f"layers.{i}.{name}" for i in range(self.args.n_layers) for name in _BLOCK]
+        blocks = [f"layers.{i}.{name}" for i in range(self.args.n_layers) for name in BLOCK_NAMES]
         return ["tok_embeddings.weight", *blocks, "norm.weight", "output.weight"]
 
     def _permute(self, name: str, w: Tensor, fn: Callable[[Tensor, int], Tensor]) -> Tensor:
@@ -89,8 +89,8 @@ class LlamaStateDictAdapter:
         for name, w in sd.items():
             if name == "output.weight" and self.args.tie_embeddings:
                 continue  # HF ties lm_head to embed_tokens itself and omits it from the file
-            m = _KILN_BLOCK.fullmatch(name)
-            hf = f"model.layers.{m[1]}.{_BLOCK.get(m[2], '?')}" if m else _TOP.get(name, "?")
+            m = KILN_BLOCK.fullmatch(name)
+            hf = f"model.layers.{m[1]}.{BLOCK_NAMES.get(m[2], '?')}" if m else TOP_NAMES.get(name, "?")
             if hf.endswith("?"):
                 raise KilnError(f"parameter {name!r} has no Hugging Face Llama name")
             out[hf] = self._permute(name, w, interleaved_to_half)
@@ -98,34 +98,42 @@ class LlamaStateDictAdapter:
 
     def from_hf(self, sd: dict[str, Tensor]) -> dict[str, Tensor]:
         """HF names and rotate-half rows → Kiln names and interleaved rows; every parameter is required."""
-        top = {hf: kiln for kiln, hf in _TOP.items()}
-        block = {hf: kiln for kiln, hf in _BLOCK.items()}
+        top = {hf: kiln for kiln, hf in TOP_NAMES.items()}
+        block = {hf: kiln for kiln, hf in BLOCK_NAMES.items()}
         out = {}
         for hf, w in sd.items():
             if hf.endswith("rotary_emb.inv_freq") or (hf == "lm_head.weight" and self.args.tie_embeddings):
                 continue  # old exports store the RoPE table; a tied head is the embedding again
-            m = _HF_BLOCK.fullmatch(hf)
+            m = HF_BLOCK.fullmatch(hf)
             name = f"layers.{m[1]}.{block.get(m[2], '?')}" if m else top.get(hf, "?")
             if name.endswith("?"):
                 raise KilnError(f"Hugging Face tensor {hf!r} has no Kiln Llama name")
             out[name] = self._permute(name, w, half_to_interleaved)
         if self.args.tie_embeddings and "tok_embeddings.weight" in out:
             out["output.weight"] = out["tok_embeddings.weight"]
+        return self._check_complete(out)
+
+    def _check_complete(self, out: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Refuse converted weights that miss or add tensors, naming the first one."""
         expected = self._expected_kiln_keys()
         missing = [k for k in expected if k not in out]
         if missing:
-            raise KilnError(f"the Hugging Face weights lack {self.to_hf_name(missing[0])!r} "
+            raise KilnError(f"the Hugging Face weights lack {self._describe(missing[0])} "
                             f"({len(missing)} tensors missing)")
         extra = sorted(set(out) - set(expected))
         if extra:
-            raise KilnError(f"the Hugging Face weights hold {self.to_hf_name(extra[0])!r}, "
-                            f"which a {self.args.n_layers}-layer model lacks")
+            raise KilnError(f"the Hugging Face weights hold {self._describe(extra[0])}, "
+                            f"which a {self.args.n_layers}-layer model of this flavor lacks")
         return out
+
+    def _describe(self, name: str) -> str:
+        """A Kiln parameter as messages name it: by its Hugging Face name."""
+        return repr(self.to_hf_name(name))
 
     def to_hf_name(self, name: str) -> str:
         """The HF name of one Kiln parameter (for messages)."""
-        m = _KILN_BLOCK.fullmatch(name)
-        return f"model.layers.{m[1]}.{_BLOCK[m[2]]}" if m else _TOP[name]
+        m = KILN_BLOCK.fullmatch(name)
+        return f"model.layers.{m[1]}.{BLOCK_NAMES[m[2]]}" if m else TOP_NAMES[name]
 
     def hf_config(self, tokenizer_bos: int, tokenizer_eos: int, dtype: str = "float32") -> dict[str, Any]:
         """A config.json for LlamaForCausalLM, in the rope_theta/rope_scaling form of Meta's releases."""

@@ -3,7 +3,7 @@
 from models import ModelSpec, register_model_spec
 from models.moe.flavors import MOE_FLAVORS
 from models.moe.model import MoETransformer, moe_flops_per_token
-from models.moe.parallelize import parallelize_moe
+from models.moe.parallelize import check_moe, parallelize_moe
 from models.moe.state_dict_adapter import MixtralStateDictAdapter
 from parallelisms.pipeline import make_stage_model
 
@@ -16,5 +16,6 @@ register_model_spec(
         flops_per_token_fn=moe_flops_per_token,
         pipeline_fn=make_stage_model,
         state_dict_adapter=MixtralStateDictAdapter,
+        check_fn=check_moe,
     )
 )

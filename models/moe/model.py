@@ -18,7 +18,8 @@ class MoEModelArgs(LlamaArgs):
 
 
 class MoEBlock(TransformerBlock):
-    """Pre-norm block with attention and either a dense feed-forward or an MoE layer (`moe`)."""
+    """A Llama block whose feed-forward is an MoE layer (`moe`), unless it is one of the dense first
+    blocks."""
 
     def __init__(self, layer_id: int, args: MoEModelArgs) -> None:
         super().__init__(layer_id, args)
@@ -27,16 +28,8 @@ class MoEBlock(TransformerBlock):
             del self.feed_forward
             self.moe = MoE(args.dim, args.moe)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, doc_ids)
-        return h + (self.moe if self.moe_enabled else self.feed_forward)(self.ffn_norm(h))
-
-    def init_weights(self) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.init_std)
-        (self.moe if self.moe_enabled else self.feed_forward).init_weights(self.init_std)
+    def mlp(self) -> nn.Module:
+        return self.moe if self.moe_enabled else self.feed_forward
 
 
 class MoETransformer(Transformer):
@@ -53,20 +46,15 @@ class MoETransformer(Transformer):
                 module.init_buffers()
 
 
+def inactive_expert_params(args: MoEModelArgs) -> int:
+    """Parameters a token does not use: the routed experts each MoE layer does not choose for it."""
+    m = args.moe
+    moe_layers = sum(1 for i in range(args.n_layers) if i >= getattr(args, "n_dense_layers", 0))
+    return moe_layers * (m.num_experts - m.top_k) * 3 * args.dim * m.hidden_dim
+
+
 def moe_flops_per_token(args: MoEModelArgs, num_params: int, seq_len: int) -> int:
-    """Training FLOPs per token counting only active parameters: each MoE layer runs k of its experts."""
-    m = args.moe
-    per_expert = 3 * args.dim * m.hidden_dim
-    moe_layers = sum(1 for i in range(args.n_layers) if i >= args.n_dense_layers)
-    # The router's E·dim and the expert bias are counted as active; inactive experts are not.
-    inactive = moe_layers * (m.num_experts - m.top_k) * per_expert
-    return llama_flops_per_token(args, num_params - inactive, seq_len)
+    """Training FLOPs per token counting only active parameters: each MoE layer runs k of its experts.
+    The router's E·dim and the expert bias are counted as active."""
+    return llama_flops_per_token(args, num_params - inactive_expert_params(args), seq_len)
 
-
-def count_moe_params(model: nn.Module) -> tuple[int, int]:
-    """(total, active per token) parameter counts of a full MoE model."""
-    total = sum(p.numel() for p in model.parameters())
-    args = model.args
-    m = args.moe
-    moe_layers = sum(1 for i in range(args.n_layers) if i >= args.n_dense_layers)
-    return total, total - moe_layers * (m.num_experts - m.top_k) * 3 * args.dim * m.hidden_dim

@@ -10,10 +10,11 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
 )
 
-from components.config import JobConfig
-from components.errors import KilnError
-from models.common.moe import MoE
-from models.llama3.parallelize import finish_parallelize, llama_tp_plan, tensor_parallelize
+from components.moe_load import moe_layers
+from components.parallel_options import ParallelOptions
+from models.llama3.parallelize import attention_plan, feed_forward_plan
+from models.moe.model import MoEModelArgs
+from parallelisms.compose import finish_parallelize, tensor_parallelize
 from parallelisms.expert_parallel import apply_ep
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import ReplicateParallel, StackedShard, sum_gradients_over
@@ -53,35 +54,33 @@ def moe_tp_plan_with_ep() -> dict[str, ParallelStyle]:
     }
 
 
-def moe_layers(model: nn.Module) -> list[MoE]:
-    return [m for m in model.modules() if isinstance(m, MoE)]
+def check_moe(args: MoEModelArgs, dims: ParallelDims) -> list[str]:
+    """The MoE family's own check (ModelSpec.check_fn): a token cannot choose more experts than exist."""
+    m = args.moe
+    if m.top_k > m.num_experts:
+        return [f"the MoE layers choose top_k = {m.top_k} of only {m.num_experts} experts"]
+    return []
 
 
-def parallelize_moe(model: nn.Module, dims: ParallelDims, cfg: JobConfig, param_dtype: str) -> nn.Module:
+def parallelize_moe(model: nn.Module, dims: ParallelDims, options: ParallelOptions) -> nn.Module:
     """TP → EP → CP → AC → compile → FSDP (experts over what EP leaves of dp_shard × cp)."""
-    bad = [m.args for m in moe_layers(model) if m.args.top_k > m.args.num_experts]
-    if bad:
-        raise KilnError(f"the MoE layers choose top_k = {bad[0].top_k} of only {bad[0].num_experts} experts")
-    _, dense_plan = llama_tp_plan(loss_parallel=not cfg.parallelism.disable_loss_parallel)
-    moe_plan = moe_tp_plan_with_ep() if dims.ep > 1 else moe_tp_plan()
-    moe_block_plan = {k: v for k, v in dense_plan.items() if not k.startswith("feed_forward")} | moe_plan
-    tensor_parallelize(model, dims, cfg,
-                       lambda block: moe_block_plan if getattr(block, "moe_enabled", False) else dense_plan)
+    moes = [m for _, m in moe_layers([model])]
+    dense_block = attention_plan() | feed_forward_plan()
+    moe_block = attention_plan() | (moe_tp_plan_with_ep() if dims.ep > 1 else moe_tp_plan())
+    tensor_parallelize(model, dims, options,
+                       lambda block: moe_block if getattr(block, "moe_enabled", False) else dense_block)
     if dims.tp > 1 and dims.ep == 1:
-        for moe in moe_layers(model):
+        for moe in moes:
             moe.partial_grad_sync = sum_gradients_over(dims.mesh("tp"))
-    before_fsdp = None
-    if dims.ep > 1:
-        try:
-            apply_ep(moe_layers(model), dims.mesh("ep"))
-        except ValueError as e:
-            raise KilnError(str(e)) from None
+    if dims.ep == 1:
+        return finish_parallelize(model, dims, options)
+    apply_ep(moes, dims.mesh("ep"))
 
-        def before_fsdp(policy: MixedPrecisionPolicy) -> None:
-            # Expert weights: FSDP over what EP leaves of dp_shard × cp (see ExpertParallelDispatch
-            # for how their gradients still average over all of dp × cp).
-            for moe in moe_layers(model):
-                fully_shard(moe.experts, mesh=dims.expert_fsdp_mesh(), mp_policy=policy,
-                            reshard_after_forward=dims.pp == 1)
+    def shard_experts(policy: MixedPrecisionPolicy) -> None:
+        # Expert weights: FSDP over what EP leaves of dp_shard × cp (see ExpertParallelDispatch for
+        # how their gradients still average over all of dp × cp).
+        for moe in moes:
+            fully_shard(moe.experts, mesh=dims.expert_fsdp_mesh(), mp_policy=policy,
+                        reshard_after_forward=dims.pp == 1)
 
-    return finish_parallelize(model, dims, cfg, param_dtype, before_fsdp)
+    return finish_parallelize(model, dims, options, shard_experts)

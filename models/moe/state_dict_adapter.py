@@ -16,18 +16,18 @@ from torch import Tensor
 
 from components.errors import KilnError
 from models.llama3.state_dict_adapter import (
-    _BLOCK,
-    _TOP,
+    BLOCK_NAMES,
+    HF_BLOCK,
+    KILN_BLOCK,
+    TOP_NAMES,
     LlamaStateDictAdapter,
     half_to_interleaved,
     interleaved_to_half,
 )
 from models.moe.model import MoEModelArgs
 
-_ATTENTION = {k: v for k, v in _BLOCK.items() if not k.startswith("feed_forward")}
+_ATTENTION = {k: v for k, v in BLOCK_NAMES.items() if not k.startswith("feed_forward")}
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
-_HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_KILN_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
 
 
 class MixtralStateDictAdapter(LlamaStateDictAdapter):
@@ -49,7 +49,7 @@ class MixtralStateDictAdapter(LlamaStateDictAdapter):
     def to_hf(self, sd: dict[str, Tensor]) -> dict[str, Tensor]:
         out = {}
         for name, w in sd.items():
-            m = _KILN_BLOCK.fullmatch(name)
+            m = KILN_BLOCK.fullmatch(name)
             if m is None:
                 out[_top_name(name)] = w
                 continue
@@ -71,7 +71,7 @@ class MixtralStateDictAdapter(LlamaStateDictAdapter):
         return out
 
     def from_hf(self, sd: dict[str, Tensor]) -> dict[str, Tensor]:
-        top = {hf: kiln for kiln, hf in _TOP.items()}
+        top = {hf: kiln for kiln, hf in TOP_NAMES.items()}
         attention = {hf: kiln for kiln, hf in _ATTENTION.items()}
         out: dict[str, Tensor] = {}
         experts: dict[tuple[str, str], dict[int, Tensor]] = {}
@@ -82,7 +82,7 @@ class MixtralStateDictAdapter(LlamaStateDictAdapter):
             if e:
                 experts.setdefault((e[1], e[3]), {})[int(e[2])] = w
                 continue
-            m = _HF_BLOCK.fullmatch(hf)
+            m = HF_BLOCK.fullmatch(hf)
             if m and m[2] == "block_sparse_moe.gate.weight":
                 out[f"layers.{m[1]}.moe.router.gate.weight"] = w
             elif m and m[2] in attention:
@@ -100,15 +100,7 @@ class MixtralStateDictAdapter(LlamaStateDictAdapter):
             out[f"layers.{layer}.moe.experts.{proj}"] = torch.stack([pieces[j] for j in range(n)])
         for i in range(self.args.n_layers):  # Mixtral has no expert bias: it starts at zero
             out[f"layers.{i}.moe.expert_bias"] = torch.zeros(n)
-        expected = self._expected_kiln_keys()
-        missing = [k for k in expected if k not in out]
-        if missing:
-            raise KilnError(f"the Hugging Face weights lack the tensors of Kiln's {missing[0]!r} "
-                            f"({len(missing)} missing)")
-        extra = sorted(set(out) - set(expected))
-        if extra:
-            raise KilnError(f"the Hugging Face weights hold {extra[0]!r}, which this flavor lacks")
-        return out
+        return self._check_complete(out)
 
     def _expected_kiln_keys(self) -> list[str]:
         per_block = [*_ATTENTION, "moe.router.gate.weight", "moe.experts.w1", "moe.experts.w2",
@@ -116,8 +108,8 @@ class MixtralStateDictAdapter(LlamaStateDictAdapter):
         blocks = [f"layers.{i}.{name}" for i in range(self.args.n_layers) for name in per_block]
         return ["tok_embeddings.weight", *blocks, "norm.weight", "output.weight"]
 
-    def to_hf_name(self, name: str) -> str:
-        return name  # messages name Kiln's tensor; an expert stack has no single HF name
+    def _describe(self, name: str) -> str:
+        return f"the tensors of Kiln's {name!r}"  # an expert stack has no single Hugging Face name
 
     def hf_config(self, tokenizer_bos: int, tokenizer_eos: int, dtype: str = "float32") -> dict[str, Any]:
         a, m = self.args, self.args.moe
@@ -144,6 +136,6 @@ class MixtralStateDictAdapter(LlamaStateDictAdapter):
 
 
 def _top_name(name: str) -> str:
-    if name not in _TOP:
+    if name not in TOP_NAMES:
         raise KilnError(f"parameter {name!r} has no Hugging Face Mixtral name")
-    return _TOP[name]
+    return TOP_NAMES[name]

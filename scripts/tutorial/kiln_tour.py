@@ -59,7 +59,7 @@ STOPS = [
          "parallelisms/context_parallel.py + parallelisms/blockwise_attention.py"),
     Stop("fsdp2_tp2", 4, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"],
          "n-D parallelism over one DeviceMesh (16.6): FSDP along one mesh dimension, TP along the other",
-         "parallelisms/parallel_dims.py (the mesh) + models/llama3/parallelize.py (the order of apply_*)"),
+         "parallelisms/parallel_dims.py (the mesh) + parallelisms/compose.py (the order of apply_*)"),
     Stop("moe_single", 1, [], "Mixture of Experts on one process: the baseline for expert parallel",
          "models/common/moe.py (router, experts)", moe=True, reference="moe_single"),
     Stop("ep2", 2, ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4"],

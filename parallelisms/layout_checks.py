@@ -1,0 +1,145 @@
+"""Every reason a layout cannot run a model, found before anything is built and listed at once.
+
+ParallelDims.check_layout() is the one entry point; the degrees alone are checked when a
+ParallelDims is made, and a model family adds its own problems through its ModelSpec.check_fn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from components.errors import KilnError
+from components.parallel_options import ParallelOptions
+from parallelisms.pipeline import parse_stage_layers, split_layers, stages_per_rank
+
+if TYPE_CHECKING:
+    from parallelisms.parallel_dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the layout checks need to know of a model (read from its args, see models/protocol.py)."""
+
+    n_heads: int
+    n_kv_heads: int
+    n_layers: int
+    vocab_size: int | None = None  # None: not checked
+    tied_embeddings: bool = False
+    num_experts: int | None = None  # None: a dense model
+    can_pipeline: bool = True  # the model family knows how to cut itself into stages
+
+    @classmethod
+    def from_args(cls, args: Any, can_pipeline: bool) -> ModelShape:
+        """Read from a flavor's args: the contract's fields, tie_embeddings and moe if present."""
+        return cls(n_heads=args.n_heads, n_kv_heads=args.kv_heads, n_layers=args.n_layers,
+                   vocab_size=args.vocab_size, tied_embeddings=bool(getattr(args, "tie_embeddings", False)),
+                   num_experts=getattr(getattr(args, "moe", None), "num_experts", None),
+                   can_pipeline=can_pipeline)
+
+
+def layout_problems(dims: ParallelDims, model: ModelShape, options: ParallelOptions, *,
+                    device_type: str = "cpu", global_batch: int | None = None,
+                    document_mask: bool = False) -> list[str]:
+    """One sentence per problem, each naming the option and the numbers; [] when the layout fits."""
+    problems = (_tp_problems(dims, model, options, device_type) + _cp_problems(dims, options)
+                + _ep_problems(dims, model) + _pp_problems(dims, model, options, global_batch))
+    if document_mask and (dims.pp > 1 or dims.cp > 1):
+        problems.append("training.document_mask is not supported with pipeline or context parallel yet")
+    return problems
+
+
+def _tp_problems(dims: ParallelDims, model: ModelShape, options: ParallelOptions, device_type: str
+                 ) -> list[str]:
+    tp, cp, out = dims.tp, dims.cp, []
+    if options.async_tp:
+        if tp == 1:
+            out.append("parallelism.enable_async_tensor_parallel needs tensor_parallel_degree > 1")
+        elif device_type != "cuda":
+            out.append("parallelism.enable_async_tensor_parallel needs CUDA GPUs (symmetric memory); "
+                       "it is not available on CPU")
+        elif not options.compile:
+            out.append("parallelism.enable_async_tensor_parallel needs --compile.enable (the overlap is "
+                       "done by inductor)")
+    if tp == 1:
+        return out
+    if model.n_heads % tp:
+        out.append(f"tensor_parallel_degree {tp} must divide the model's {model.n_heads} attention heads")
+    if model.n_kv_heads % tp:
+        out.append(f"tensor_parallel_degree {tp} must divide the model's {model.n_kv_heads} key/value heads "
+                   "(GQA with fewer KV heads than TP ranks is not supported)")
+    if model.vocab_size is not None and model.vocab_size % tp:
+        out.append(f"tensor_parallel_degree {tp} must divide the vocabulary size {model.vocab_size} (the "
+                   "embedding and output head are split over it)")
+    if options.seq_len % (tp * cp):
+        out.append(f"training.seq_len {options.seq_len} must be divisible by tensor_parallel_degree {tp}"
+                   + (f" × context_parallel_degree {cp}" if cp > 1 else "")
+                   + " (sequence parallel shards each rank's sequence)")
+    if dims.ddp_enabled:
+        out.append("DDP cannot be combined with tensor parallel; use FSDP or HSDP "
+                   "(data_parallel_shard_degree > 1) with TP")
+    if model.tied_embeddings:
+        out.append("tensor parallel does not support tied embeddings (the embedding is split by rows, "
+                   "the output head by columns)")
+    return out
+
+
+def _cp_problems(dims: ParallelDims, options: ParallelOptions) -> list[str]:
+    cp, out = dims.cp, []
+    if cp > 1 and options.seq_len % (2 * cp):
+        out.append(f"training.seq_len {options.seq_len} must be divisible by 2 × context_parallel_degree = "
+                   f"{2 * cp} (load-balanced causal sharding)")
+    if cp > 1 and dims.hsdp_enabled:
+        out.append("HSDP combined with context parallel is not supported yet")
+    return out
+
+
+def _ep_problems(dims: ParallelDims, model: ModelShape) -> list[str]:
+    ep = dims.ep
+    if ep == 1:
+        return []
+    if model.num_experts is None:
+        return [f"expert_parallel_degree {ep} needs a Mixture-of-Experts model (e.g. --model.name moe); "
+                "this model is dense"]
+    if model.num_experts % ep:
+        return [f"expert_parallel_degree {ep} must divide num_experts {model.num_experts}"]
+    return []
+
+
+def _pp_problems(dims: ParallelDims, model: ModelShape, options: ParallelOptions,
+                 global_batch: int | None) -> list[str]:
+    pp, out = dims.pp, []
+    if pp > model.n_layers:
+        out.append(f"pipeline_parallel_degree {pp} is more than the model's {model.n_layers} layers")
+    if pp == 1:
+        return out
+    if not model.can_pipeline:
+        out.append(f"pipeline_parallel_degree {pp} needs a model that can be cut into stages; this "
+                   "model's ModelSpec has no pipeline_fn")
+    try:
+        stage_layers(model.n_layers, pp, options)
+    except KilnError as e:
+        out.append(str(e))
+    if global_batch is not None:
+        out += _microbatch_problems(global_batch // dims.dp, pp, options)
+    return out
+
+
+def _microbatch_problems(rows: int, pp: int, options: ParallelOptions) -> list[str]:
+    """A step's rows per rank must split into microbatches, enough of them for the schedule."""
+    size = options.pp_microbatch_size
+    if rows % size:
+        return [f"the rows per rank and step ({rows} = global_batch_size / dp) are not divisible by "
+                f"parallelism.pipeline_parallel_microbatch_size {size}"]
+    if options.pp_schedule != "GPipe" and rows // size < pp:
+        return [f"schedule {options.pp_schedule} needs at least as many microbatches as pipeline ranks "
+                f"({pp}); a step gives {rows // size} ({rows} rows / microbatch size {size})"]
+    return []
+
+
+def stage_layers(n_layers: int, pp: int, options: ParallelOptions) -> list[list[int]]:
+    """The layers of every pipeline stage (pp × stages per rank of the schedule), as options ask."""
+    num_stages = pp * stages_per_rank(options.pp_schedule)
+    if options.pp_stage_layers:
+        return parse_stage_layers(options.pp_stage_layers, n_layers, num_stages)
+    return split_layers(n_layers, num_stages, options.pp_layers_per_stage)
