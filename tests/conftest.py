@@ -1,9 +1,12 @@
 """Shared helpers for the end-to-end tests: launch train.py as a user would and read metrics.jsonl."""
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -11,6 +14,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+# The suite never reads or writes the user's home folder: Kiln's CPU-peak cache, Hugging Face and
+# matplotlib caches go to a folder of this session (every test and subprocess inherits these).
+_ISOLATED = Path(tempfile.mkdtemp(prefix="kiln-tests-home-"))
+atexit.register(shutil.rmtree, _ISOLATED, ignore_errors=True)
+for _var, _sub in (("XDG_CACHE_HOME", "cache"), ("XDG_CONFIG_HOME", "config"), ("MPLCONFIGDIR", "mpl")):
+    os.environ[_var] = str(_ISOLATED / _sub)
 
 # A small, fast shape for multi-process tests: the tiny flavor, short sequences, few steps.
 TINY = [
