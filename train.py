@@ -37,7 +37,9 @@ from components.distributed import (
     lost_peer_message,
     set_seed,
 )
+from components.error_report import report_kiln_error, reported_elsewhere
 from components.errors import KilnError
+from components.folders import require_writable
 from components.gc_control import GarbageCollection
 from components.grad_norm import clip_grad_norm
 from components.local_tensor import local_tensor
@@ -49,8 +51,9 @@ from components.parallel_options import ParallelOptions
 from components.peak_flops import peak_flops
 from components.preemption import StopRequest
 from components.profiling import maybe_profile
-from components.run_data import DataRanks, build_run_data
+from components.run_data import DataRanks, build_run_data, cache_folder
 from components.run_summary import RunFacts, startup_summary
+from components.shared_folder import unseen_by
 from components.tokenizer import Tokenizer
 from models import ModelSpec, UnknownModelError, get_model_args, get_model_spec
 from parallelisms.context_parallel import head_tail_positions, shard_sequence
@@ -60,6 +63,7 @@ from parallelisms.materialize import materialize_and_init
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline import PipelineRunner, build_stages, stage_ids
 from parallelisms.tensor_parallel import loss_context
+from parallelisms.tied_weights import TiedWeightSync, shared_parameter_names
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]  # a step's microbatches of (inputs, labels)
 
@@ -91,7 +95,7 @@ class Trainer:
         self.options = ParallelOptions.from_config(cfg, info.device.type)
         self.dims = self._build_layout()
         self.data = build_run_data(cfg, self.tokenizer, self.model_args.vocab_size, self.global_batch,
-                                   DataRanks(self.dp_rank, self.dims.dp, info.local_rank))
+                                   self._data_ranks())
         self._build_model()
         self._build_optimizers()
         self.state = TrainState()
@@ -138,6 +142,18 @@ class Trainer:
                              if cp_mesh is not None else None)
         return dims
 
+    def _data_ranks(self) -> DataRanks:
+        """This rank's rows of a batch, and its share of tokenizing a new corpus: every rank of the job
+        takes part when the cache folder is shared, else the ranks of each node tokenize for it."""
+        info = self.info
+        worker, workers = info.rank, info.world_size
+        if info.nodes > 1:
+            cache = cache_folder(self.cfg)
+            require_writable(cache, "training.data_cache_dir")
+            if unseen_by(cache, self.cfg.checkpoint.shared_folder_wait_seconds):
+                worker, workers = info.local_rank, info.world_size // info.nodes
+        return DataRanks(self.dp_rank, self.dims.dp, worker, workers, info.is_main)
+
     def _build_model(self) -> None:
         """The model on the meta device, cut into this rank's pipeline stages, each parallelized and
         then materialised with layout-free initial weights; the loss and the step's helpers."""
@@ -146,16 +162,13 @@ class Trainer:
             whole = self.spec.model_cls(args)
         self.num_params = sum(p.numel() for p in whole.parameters())
         self.flops_per_token = self.spec.flops_per_token_fn(args, self.num_params, t.seq_len)
+        tied = self.tied_names = shared_parameter_names(whole)
         self.model_parts, self.stage_ids, self.num_stages = self._split(whole)
         for part in self.model_parts:
             self.spec.parallelize_fn(part, self.dims, self.options)
             materialize_and_init(part, lambda: self.spec.model_cls(args), t.seed, self.info.device)
             part.train()
             self._set_document_mask(part)
-        # Without FSDP (which casts parameters itself), bf16 compute comes from autocast.
-        bf16_autocast = self.options.param_dtype == "bfloat16" and not self.dims.fsdp_enabled
-        self.autocast = (torch.autocast(self.info.device.type, dtype=torch.bfloat16) if bf16_autocast
-                         else contextlib.nullcontext())
         # Under TP the logits stay sharded over the vocabulary into the loss, unless disabled.
         self.use_loss_parallel = self.dims.tp > 1 and self.options.loss_parallel
         # The loss is compiled with the blocks, except on vocabulary-sharded DTensor logits.
@@ -165,6 +178,10 @@ class Trainer:
         self.moe_layers = moe_layers(self.model_parts)
         self.expert_load: dict[str, list[int]] = {}
         self.pipeline = self._build_pipeline() if self.dims.pp > 1 else None
+        # A tied embedding cut into two stages' copies stays one weight (parallelisms/tied_weights.py).
+        self.tied = (TiedWeightSync(self.model_parts, self.stage_ids, tied, self.dims,
+                                    self.options.pp_schedule, self.num_stages)
+                     if tied and self.dims.pp > 1 else None)
 
     def _split(self, whole: torch.nn.Module) -> tuple[list[torch.nn.Module], list[int], int]:
         """This rank's model parts: the whole model, or its pipeline stages (layers by stage)."""
@@ -208,7 +225,8 @@ class Trainer:
         """Every Stateful part of the run, saved and loaded together."""
         c, streaming = self.cfg.checkpoint, self.cfg.training.dataset_mode == "streaming"
         states = {"model": ModelState(self.model_parts),
-                  "optimizer": OptimizerState(self.model_parts, self.optimizers),
+                  "optimizer": OptimizerState(self.model_parts, self.optimizers, aliases={
+                      name: names[0] for names in self.tied_names for name in names[1:]}),
                   "lr_scheduler": SchedulerState(self.schedulers),
                   "dataloader": (StreamingLoaderState if streaming else DataLoaderState)(self.data.loader),
                   "train_state": self.state}
@@ -241,7 +259,16 @@ class Trainer:
             backend=dist.get_backend() if dist.is_initialized() else "none",
             device_type=self.info.device.type, global_batch=self.global_batch,
             microbatches=self.data.loader.microbatches, data=self.data.description,
-            param_dtype=self.options.param_dtype, peak=self.peak))
+            numerics=self._numerics(), peak=self.peak))
+
+    def _numerics(self) -> str:
+        """The dtypes the layout really computes and reduces in (FSDP casts; elsewhere autocast)."""
+        o, fsdp = self.options, self.dims.fsdp_enabled
+        reduce = f", gradients reduced in {o.reduce_dtype}" if fsdp else ""
+        if o.param_dtype == "float32":
+            return f"compute float32{reduce}"
+        how = "FSDP casts the float32 parameters" if fsdp else "autocast over float32 parameters"
+        return f"compute bfloat16 ({how}){reduce}"
 
     # ------------------------------------------------------------------ the loop
 
@@ -334,9 +361,7 @@ class Trainer:
             set_gradient_sync(model, i == len(microbatches) - 1)
             inputs, labels = inputs.to(self.info.device), labels.to(self.info.device)
             with loss_context(self.use_loss_parallel):
-                with self.autocast:
-                    logits = model(inputs)
-                loss = self.loss_fn(logits, labels)
+                loss = self.loss_fn(model(inputs), labels)
                 (loss * scale).backward()
             loss_sum += local_tensor(loss.detach())
         return loss_sum
@@ -351,10 +376,13 @@ class Trainer:
     def _optimizer_step(self) -> torch.Tensor:
         """Clip by the global grad norm (across meshes and stages), step, move the MoE expert bias
         from the global load, step the LR, clear gradients; returns the grad norm."""
+        if self.tied is not None:
+            self.tied.sum_gradients()
         params = [p for part in self.model_parts for p in part.parameters()]
         pp_mesh = self.dims.mesh("pp")
         grad_norm = clip_grad_norm(params, self.cfg.training.max_norm,
-                                   pp_mesh.get_group() if pp_mesh is not None else None)
+                                   pp_mesh.get_group() if pp_mesh is not None else None,
+                                   counted_elsewhere=self.tied.count_once if self.tied is not None else [])
         for opt in self.optimizers:
             opt.step()
         self.expert_load = balance_experts(self.moe_layers, self.loss_group)
@@ -408,7 +436,7 @@ class Trainer:
         for inputs, labels in self.data.val_batches:
             inputs, labels = self.shard_sequence(inputs, labels)
             inputs, labels = inputs.to(self.info.device), labels.to(self.info.device)
-            with loss_context(self.use_loss_parallel), self.autocast:
+            with loss_context(self.use_loss_parallel):
                 if self.pipeline is not None:  # a whole step's rows: the schedule's microbatches
                     total += self.pipeline.run(inputs, labels, 1.0, train=False).double()
                 else:
@@ -459,9 +487,8 @@ class Trainer:
                  f"({'queued' if self.checkpoint.pending else 'saved'}; training blocked {blocked:.2f} s)")
 
     def create_seed_checkpoint(self) -> None:
-        """Write the initial weights as step-0 (model only) and stop."""
-        if self.info.world_size != 1:
-            raise KilnError("checkpoint.create_seed_checkpoint runs as one process (python train.py ...)")
+        """Write the initial weights as step-0 (model only) and stop: each rank writes its shards, so
+        any world size makes it and no rank ever holds the whole model."""
         self.checkpoint.save(0, model_only=True)
         self.say(f"seed checkpoint written to {self.checkpoint.folder}/step-0")
 
@@ -472,14 +499,15 @@ class Trainer:
 
 
 def main(argv: list[str]) -> int:
-    """Parse, train, and turn every user error into one line on stderr and a non-zero exit code."""
-    is_main = os.environ.get("RANK", "0") == "0"
-    trainer = None
-    timeout = 0
+    """Parse, train, and turn every user error into one line on stderr (from whichever rank finds it)
+    and a non-zero exit code."""
+    rank = int(os.environ.get("RANK", "0"))
+    trainer, store, timeout = None, None, 0
     try:
         cfg = load_config(argv)
         timeout = cfg.comm.timeout_seconds
         info = init_distributed(timeout)
+        store = info.store
         trainer = Trainer(cfg, info)
         if cfg.checkpoint.create_seed_checkpoint:
             trainer.create_seed_checkpoint()
@@ -487,20 +515,25 @@ def main(argv: list[str]) -> int:
             trainer.train()
         code = 0
     except KilnError as e:
-        if is_main:
-            print(f"kiln: error: {e}", file=sys.stderr, flush=True)
+        report_kiln_error(e, rank, store)
         code = 2
     except Exception as e:
-        # A peer's death is reported by every surviving rank, as one line each rather than a trace.
-        lost = lost_peer_message(e, timeout) if dist.is_initialized() else None
-        if lost is None:
-            traceback.print_exc()
-        else:
-            print(f"kiln: error: {lost}", file=sys.stderr, flush=True)
-        code = 1
-    release = trainer.dims.release if trainer is not None else None
-    exit_cleanly(code, release)
+        code = report_crash(e, timeout, store)
+    exit_cleanly(code, trainer.dims.release if trainer is not None else None)
     return code
+
+
+def report_crash(error: Exception, timeout: int, store: object) -> int:
+    """An unexpected exception: silent when it echoes another rank's reported user error (a
+    collective failed because that rank left), one line when a peer died, else the traceback."""
+    if reported_elsewhere(store):
+        return 2
+    lost = lost_peer_message(error, timeout) if dist.is_initialized() else None
+    if lost is None:
+        traceback.print_exc()
+    else:  # a peer's death, said by every surviving rank in one line rather than a trace
+        print(f"kiln: error: {lost}", file=sys.stderr, flush=True)
+    return 1
 
 
 if __name__ == "__main__":

@@ -53,22 +53,49 @@ class ModelState(Stateful):
 
 
 class OptimizerState(Stateful):
-    """Optimizer states flattened to `state.<param name>.<field>` keys, so they reshard like the model."""
+    """Optimizer states flattened to `state.<param name>.<field>` keys, so they reshard like the model.
+
+    aliases maps a tied weight's second name to its first (output.weight → tok_embeddings.weight):
+    one process keeps a tied weight's state under its first name only, so a pipeline stage that
+    holds the weight's copy under the second name saves and loads it under the first as well.
+    """
 
     _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
-    def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+    def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                 aliases: dict[str, str] | None = None) -> None:
         self.pairs = list(zip(parts, optimizers, strict=True))
+        self.aliases = aliases or {}
 
     def state_dict(self) -> dict:
         merged: dict = {}
         for part, opt in self.pairs:
-            merged.update(get_optimizer_state_dict(part, opt, options=self._OPTIONS))
+            state = get_optimizer_state_dict(part, opt, options=self._OPTIONS)
+            merged.update(_renamed(state, self.aliases))
         return merged
 
     def load_state_dict(self, state: dict) -> None:
         for part, opt in self.pairs:
-            set_optimizer_state_dict(part, opt, state, options=self._OPTIONS)
+            names = set(get_model_state_dict(part))
+            back = {first: second for second, first in self.aliases.items()
+                    if second in names and first not in names}
+            set_optimizer_state_dict(part, opt, _renamed(state, back, copy=True), options=self._OPTIONS)
+
+
+def _renamed(state: dict, names: dict[str, str], copy: bool = False) -> dict:
+    """Flattened optimizer keys (`state.<fqn>.<field>`, `param_groups.<fqn>.<field>`) with each
+    parameter name in `names` replaced by the name it maps to; copy: renamed tensors are cloned, so
+    two copies of a tied weight never share (and doubly update) one optimizer state."""
+    if not names:
+        return state
+    out = {}
+    for key, value in state.items():
+        kind, rest = key.split(".", 1)
+        fqn, field = rest.rsplit(".", 1)
+        if fqn in names and copy and isinstance(value, torch.Tensor):
+            value = value.clone()
+        out[f"{kind}.{names.get(fqn, fqn)}.{field}"] = value
+    return out
 
 
 class SchedulerState(Stateful):

@@ -225,7 +225,8 @@ class Checkpoint:
         "", "comma-separated parts not to load: model, optimizer, lr_scheduler, dataloader, train_state"
     )
     create_seed_checkpoint: bool = _opt(
-        False, "write the initial weights as step-0 (one process) and exit; any layout can start from it"
+        False, "write the initial weights as step-0 and exit (each rank its shards, any world size); any "
+        "layout can start from it"
     )
     shared_folder_wait_seconds: float = _opt(
         10.0, "at start, how long ranks wait to see rank 0's probe file in the folder (NFS caches "

@@ -12,8 +12,10 @@ import hashlib
 import json
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -22,7 +24,10 @@ from components.corpus import EMBEDDED_DATASETS, read_documents
 from components.errors import KilnError
 from components.tokenizer import Tokenizer
 
-_ENCODE_CHUNK = 512  # documents per encode_batch call: bounded memory, still fast
+# A chunk of documents per encode_batch call: at most this many documents or characters (bounded
+# memory, still fast), and the unit of work that ranks share when they tokenize a corpus together.
+ENCODE_CHUNK = 512
+ENCODE_CHUNK_CHARS = 1 << 18
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -30,20 +35,43 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
-def _writer_id() -> str:
+def writer_id() -> str:
     """Unique per process on a shared file system (several nodes may tokenize at once)."""
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def _chunks(items: Iterable[str], size: int) -> Iterable[list[str]]:
+def document_chunks(items: Iterable[str]) -> Iterable[list[str]]:
+    """Documents in lists of ENCODE_CHUNK documents or ENCODE_CHUNK_CHARS characters, whichever
+    comes first (the last one shorter)."""
     chunk: list[str] = []
+    chars = 0
     for item in items:
         chunk.append(item)
-        if len(chunk) == size:
+        chars += len(item)
+        if len(chunk) == ENCODE_CHUNK or chars >= ENCODE_CHUNK_CHARS:
             yield chunk
-            chunk = []
+            chunk, chars = [], 0
     if chunk:
         yield chunk
+
+
+def write_chunk(f: BinaryIO, chunk: list[str], tokenizer: Tokenizer, dtype: np.dtype) -> int:
+    """Append the tokens of each document (BOS + text + EOS) to an open file; returns how many."""
+    total = 0
+    for ids in tokenizer.encode_batch(chunk, bos=True, eos=True):
+        arr = np.asarray(ids, dtype=dtype)
+        f.write(arr.tobytes())
+        total += len(arr)
+    return total
+
+
+def publish_token_file(tmp: Path, out: Path, tokens: int, dtype: np.dtype) -> None:
+    """Give a finished token file its final name, its sidecar (token count, dtype) first: a reader
+    that finds the .bin also finds its dtype, and no one ever sees a half-written file."""
+    meta_tmp = out.with_name(f"{out.stem}.json.tmp-{writer_id()}")
+    meta_tmp.write_text(json.dumps({"tokens": tokens, "dtype": dtype.name}))
+    os.replace(meta_tmp, out.with_suffix(".json"))
+    os.replace(tmp, out)
 
 
 def write_token_file(documents: Iterable[str], tokenizer: Tokenizer, out: Path) -> int:
@@ -54,29 +82,24 @@ def write_token_file(documents: Iterable[str], tokenizer: Tokenizer, out: Path) 
     """
     dtype = token_dtype(tokenizer.vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.tmp-{_writer_id()}")
-    total = 0
+    tmp = out.with_name(f"{out.name}.tmp-{writer_id()}")
     with open(tmp, "wb") as f:
-        for chunk in _chunks(documents, _ENCODE_CHUNK):
-            for ids in tokenizer.encode_batch(chunk, bos=True, eos=True):
-                arr = np.asarray(ids, dtype=dtype)
-                f.write(arr.tobytes())
-                total += len(arr)
-    # The sidecar first: a reader that finds the .bin must also find its dtype.
-    meta_tmp = out.with_name(f"{out.stem}.json.tmp-{_writer_id()}")
-    meta_tmp.write_text(json.dumps({"tokens": total, "dtype": dtype.name}))
-    os.replace(meta_tmp, out.with_suffix(".json"))
-    os.replace(tmp, out)
+        total = sum(write_chunk(f, chunk, tokenizer, dtype) for chunk in document_chunks(documents))
+    publish_token_file(tmp, out, total, dtype)
     return total
 
 
-def cached_token_file(source: Path, tokenizer: Tokenizer, cache_dir: Path,
-                      text_field: str = "text") -> Path:
-    """Tokenize `source` (jsonl/txt, plain or gz) into cache_dir once; later calls reuse the file.
+@dataclass(frozen=True)
+class TokenJob:
+    """A text source and the cache file its tokens go to; documents=None for a prepared .bin."""
 
-    The file name carries a hash of the source bytes and the tokenizer, so a changed corpus or
-    tokenizer never reads a stale cache.
-    """
+    out: Path
+    documents: Callable[[], Iterable[str]] | None = None
+
+
+def _jsonl_job(source: Path, tokenizer: Tokenizer, cache_dir: Path, text_field: str) -> TokenJob:
+    """jsonl / txt (plain or gz) read by Kiln's reader; the name hashes the bytes and the tokenizer,
+    so a changed corpus or tokenizer never reads a stale cache."""
     if not source.exists():
         raise KilnError(f"dataset file not found: {source}")
     digest = hashlib.sha256()
@@ -86,17 +109,13 @@ def cached_token_file(source: Path, tokenizer: Tokenizer, cache_dir: Path,
     with open(source, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    name = source.name.split(".")[0]
-    out = cache_dir / f"{name}-{digest.hexdigest()[:16]}.bin"
-    if not out.exists():
-        write_token_file(read_documents(source, text_field), tokenizer, out)
-    return out
+    out = cache_dir / f"{source.name.split('.')[0]}-{digest.hexdigest()[:16]}.bin"
+    return TokenJob(out, lambda: read_documents(source, text_field))
 
 
-def streamed_token_file(source: str, tokenizer: Tokenizer, cache_dir: Path,
-                        text_field: str = "text") -> Path:
-    """Tokenize any streaming source (parquet / csv / json files, folders, globs, hub datasets) into
-    cache_dir once. Local files are identified by name, size and modification time, hub datasets
+def _stream_job(source: str, tokenizer: Tokenizer, cache_dir: Path, text_field: str) -> TokenJob:
+    """Any streaming source (parquet / csv / json files, folders, globs, hub datasets) through the
+    `datasets` library. Local files are identified by name, size and modification time, hub datasets
     by name (a hub dataset that changes upstream needs a fresh cache folder)."""
     from components.text_sources import local_files, open_stream, text_of
 
@@ -107,11 +126,41 @@ def streamed_token_file(source: str, tokenizer: Tokenizer, cache_dir: Path,
         st = f.stat()
         digest.update(f"{f}:{st.st_size}:{st.st_mtime_ns}".encode())
     slug = "".join(c if c.isalnum() else "_" for c in Path(source.rstrip("/*")).name)[:40] or "data"
-    out = cache_dir / f"{slug}-{digest.hexdigest()[:16]}.bin"
-    if not out.exists():
+
+    def documents() -> Iterable[str]:
         ds, builder = open_stream(source)
-        write_token_file((text_of(row, text_field, builder, source) for row in ds), tokenizer, out)
-    return out
+        return (text_of(row, text_field, builder, source) for row in ds)
+
+    return TokenJob(cache_dir / f"{slug}-{digest.hexdigest()[:16]}.bin", documents)
+
+
+def token_job(source: Path | str, tokenizer: Tokenizer, cache_dir: Path,
+              text_field: str = "text") -> TokenJob:
+    """Where the tokens of `source` live: a prepared .bin as is, text sources in the cache (jsonl /
+    txt by Kiln's reader, anything else through the `datasets` library)."""
+    if str(source).endswith(".bin"):
+        return TokenJob(Path(source))
+    p = Path(source)
+    if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz", ".txt", ".txt.gz")):
+        return _jsonl_job(p, tokenizer, cache_dir, text_field)
+    return _stream_job(str(source), tokenizer, cache_dir, text_field)
+
+
+def token_file_for(source: Path | str, tokenizer: Tokenizer, cache_dir: Path,
+                   text_field: str = "text") -> Path:
+    """The token file of `source`, tokenized by this process if the cache lacks it."""
+    return _written(token_job(source, tokenizer, cache_dir, text_field), tokenizer)
+
+
+def cached_token_file(source: Path, tokenizer: Tokenizer, cache_dir: Path, text_field: str = "text") -> Path:
+    """Tokenize a jsonl / txt file into cache_dir once; later calls reuse the file."""
+    return _written(_jsonl_job(source, tokenizer, cache_dir, text_field), tokenizer)
+
+
+def _written(job: TokenJob, tokenizer: Tokenizer) -> Path:
+    if job.documents is not None and not job.out.exists():
+        write_token_file(job.documents(), tokenizer, job.out)
+    return job.out
 
 
 def register_dataset(name: str, train: Path, val: Path | None = None) -> None:
@@ -160,18 +209,6 @@ def resolve_dataset(name: str, path: str) -> dict[str, Path | str]:
         f"unknown dataset {name!r}: not a registered dataset ({', '.join(EMBEDDED_DATASETS)}), an "
         f"existing file, folder or glob, or a hub dataset named owner/name"
     )
-
-
-def token_file_for(source: Path | str, tokenizer: Tokenizer, cache_dir: Path,
-                   text_field: str = "text") -> Path:
-    """A prepared .bin is used as is; text sources are tokenized into the cache once (jsonl / txt
-    by Kiln's reader, anything else through the `datasets` library)."""
-    if str(source).endswith(".bin"):
-        return Path(source)
-    p = Path(source)
-    if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz", ".txt", ".txt.gz")):
-        return cached_token_file(p, tokenizer, cache_dir, text_field)
-    return streamed_token_file(str(source), tokenizer, cache_dir, text_field)
 
 
 class TokenWindows:

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TypeVar
 
@@ -31,6 +31,7 @@ class DistInfo:
     world_size: int
     device: torch.device
     nodes: int = 1  # torchrun agents (machines) in the job: GROUP_WORLD_SIZE
+    store: dist.Store | None = field(default=None, repr=False)  # the job's key-value store
 
     @property
     def is_main(self) -> bool:
@@ -53,10 +54,12 @@ def init_distributed(timeout_seconds: int) -> DistInfo:
                         "torchrun (or set all of them as torchrun would)")
     rank = int(os.environ.get("RANK", "0"))
     watch_agent()
+    share_tokenizer_threads()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    store = None
     if world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=timeout_seconds)
@@ -64,7 +67,17 @@ def init_distributed(timeout_seconds: int) -> DistInfo:
         store = _attempt_store(rank, world_size, timeout)
         dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank,
                                 world_size=world_size, device_id=device if device.type == "cuda" else None)
-    return DistInfo(rank, local_rank, world_size, device, int(os.environ.get("GROUP_WORLD_SIZE", "1")))
+    return DistInfo(rank, local_rank, world_size, device, int(os.environ.get("GROUP_WORLD_SIZE", "1")),
+                    store)
+
+
+def share_tokenizer_threads() -> None:
+    """Give each process of a node an equal share of its cores for the tokenizer's threads (the Rust
+    tokenizer sizes its pool from RAYON_NUM_THREADS when it first encodes, one thread per core by
+    default): ranks that tokenize a corpus together then split the cores instead of fighting."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local > 1:
+        os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // local)))
 
 
 def watch_agent(poll_seconds: float = 1.0) -> None:

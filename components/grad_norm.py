@@ -44,13 +44,17 @@ def total_grad_norm(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
 
 @torch.no_grad()
 def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float,
-                   pipeline_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                   pipeline_group: dist.ProcessGroup | None = None,
+                   counted_elsewhere: list[torch.nn.Parameter] = ()) -> torch.Tensor:
     """Scale gradients so their total norm is at most max_norm (max_norm <= 0: measure only).
 
     With pipeline parallel each rank holds other layers: pipeline_group sums their squared norms.
+    counted_elsewhere: second copies of a weight (tied across pipeline stages) that are clipped
+    but left out of the norm, which counts the weight once.
     """
     params = [p for p in parameters if p.grad is not None]
-    total = total_grad_norm(params)
+    skip = {id(p) for p in counted_elsewhere}
+    total = total_grad_norm([p for p in params if id(p) not in skip])
     if pipeline_group is not None:
         square = total.double() ** 2
         dist.all_reduce(square, group=pipeline_group)

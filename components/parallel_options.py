@@ -13,6 +13,7 @@ from components.config import JobConfig
 class ParallelOptions:
     """Numerics, FSDP, TP, CP, AC, compile and pipeline choices of a run (defaults = plain fp32)."""
 
+    device_type: str = "cpu"  # where the model runs: "cpu" or "cuda"
     param_dtype: str = "float32"  # compute dtype of the parameters ("auto" already resolved)
     reduce_dtype: str = "float32"  # dtype of the data-parallel gradient reduction
     reshard_after_forward: str = "default"  # FSDP: default / always / never
@@ -36,7 +37,7 @@ class ParallelOptions:
         if param_dtype == "auto":
             param_dtype = "bfloat16" if device_type == "cuda" else "float32"
         return cls(
-            param_dtype=param_dtype, reduce_dtype=t.mixed_precision_reduce,
+            device_type=device_type, param_dtype=param_dtype, reduce_dtype=t.mixed_precision_reduce,
             reshard_after_forward=p.fsdp_reshard_after_forward, loss_parallel=not p.disable_loss_parallel,
             async_tp=p.enable_async_tensor_parallel, cp_rotate_method=p.context_parallel_rotate_method,
             seq_len=t.seq_len, ac_mode=ac.mode, ac_option=ac.selective_ac_option, compile=cfg.compile.enable,

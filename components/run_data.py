@@ -1,26 +1,30 @@
 """A run's data: its splits resolved once, text tokenized into the cache once, the training loader
 (memmap windows or streaming) and this rank's validation batches."""
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from components.config import JobConfig
-from components.data import BatchLoader, TokenWindows, resolve_dataset, token_file_for, validation_batches
-from components.distributed import local_rank_zero_first
+from components.data import BatchLoader, TokenWindows, resolve_dataset, token_job, validation_batches
 from components.errors import KilnError
 from components.streaming_loader import StreamingLoader
+from components.token_prep import console, prepare_token_file
 from components.tokenizer import Tokenizer
 
 
 @dataclass
 class DataRanks:
-    """Where this rank stands among the ranks that read different rows of a batch."""
+    """Where this rank stands among the ranks that read different rows of a batch, and among the
+    ranks that tokenize a new corpus together (every rank that sees the same cache folder)."""
 
     dp_rank: int
     dp: int
-    local_rank: int  # within its node: local rank 0 tokenizes for the node
+    worker: int = 0
+    workers: int = 1
+    is_main: bool = True  # says what tokenizing is doing
 
 
 @dataclass
@@ -34,18 +38,27 @@ class RunData:
     description: str  # the start-up summary's data line
 
 
+def cache_folder(cfg: JobConfig) -> Path:
+    """Where tokenized datasets are cached: training.data_cache_dir, else <dump_folder>/data_cache."""
+    t = cfg.training
+    return Path(t.data_cache_dir) if t.data_cache_dir else Path(cfg.job.dump_folder) / "data_cache"
+
+
 def build_run_data(cfg: JobConfig, tokenizer: Tokenizer, vocab_size: int, global_batch: int,
                    ranks: DataRanks) -> RunData:
-    """Resolve, tokenize (once per node, cached) and open the run's data."""
+    """Resolve, tokenize (once, shared by the workers, cached) and open the run's data."""
     t = cfg.training
     splits = resolve_dataset(t.dataset, t.dataset_path)
     streaming = t.dataset_mode == "streaming"
     to_tokenize = {k: v for k, v in splits.items() if not (streaming and k == "train")}
     if cfg.validation.dataset:
         to_tokenize["val"] = _validation_source(cfg.validation.dataset)
-    cache = Path(t.data_cache_dir) if t.data_cache_dir else Path(cfg.job.dump_folder) / "data_cache"
-    files = local_rank_zero_first(ranks.local_rank, lambda: {
-        k: token_file_for(v, tokenizer, cache, t.dataset_text_field) for k, v in to_tokenize.items()})
+    cache = cache_folder(cfg)
+    say = console if ranks.is_main else (lambda line: None)
+    terminal = ranks.is_main and sys.stdout.isatty()
+    files = {k: prepare_token_file(token_job(v, tokenizer, cache, t.dataset_text_field), tokenizer,
+                                   ranks.worker, ranks.workers, say, terminal)
+             for k, v in to_tokenize.items()}
     name = t.dataset_path or t.dataset
     if streaming:
         loader = StreamingLoader(str(splits["train"]), t.dataset_text_field, tokenizer, t.seq_len,

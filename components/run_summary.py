@@ -22,7 +22,7 @@ class RunFacts:
     global_batch: int
     microbatches: int
     data: str  # the data line
-    param_dtype: str
+    numerics: str  # what computes in which dtype, as the layout really does it
     peak: PeakFlops
 
 
@@ -38,7 +38,7 @@ def startup_summary(cfg: JobConfig, run: RunFacts) -> str:
         f"batch   global {run.global_batch} × seq {t.seq_len} = {run.global_batch * t.seq_len:,} "
         f"tokens/step; local {t.local_batch_size} × {run.microbatches} microbatch(es) per rank",
         run.data,
-        f"numbers params {run.param_dtype}, reduce {t.mixed_precision_reduce}; AC "
+        f"numbers {run.numerics}; AC "
         f"{cfg.activation_checkpoint.mode}; compile {'on' if cfg.compile.enable else 'off'}",
         f"MFU     peak {run.peak.tflops:,.3f} TFLOP/s per device ({run.peak.source})",
         f"output  {Path(cfg.job.dump_folder) / 'metrics.jsonl'}; {t.steps} steps",

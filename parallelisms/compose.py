@@ -11,6 +11,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from components.parallel_options import ParallelOptions
 from parallelisms.activation_checkpoint import apply_ac
+from parallelisms.autocast import apply_autocast
 from parallelisms.compile import apply_compile
 from parallelisms.context_parallel import apply_cp
 from parallelisms.fsdp import apply_ddp, apply_fsdp, mixed_precision
@@ -34,8 +35,8 @@ def tensor_parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOp
 
 def finish_parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions,
                        before_fsdp: Callable[[MixedPrecisionPolicy], None] | None = None) -> nn.Module:
-    """CP → AC → compile → FSDP/HSDP or DDP; before_fsdp(policy) may shard some modules first
-    (e.g. expert weights over their own mesh)."""
+    """CP → AC → compile → FSDP/HSDP or DDP, and bf16 autocast where FSDP does not cast; before_fsdp
+    (policy) may shard some modules first (e.g. expert weights over their own mesh)."""
     if dims.tp > 1:
         require_plan_covers(model)
     if dims.cp > 1:
@@ -51,4 +52,6 @@ def finish_parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOp
                    pipeline_parallel=dims.pp > 1)
     elif dims.ddp_enabled:
         apply_ddp(model, dims.mesh("dp"))
+    if options.param_dtype == "bfloat16" and not dims.fsdp_enabled:  # FSDP casts the parameters itself
+        apply_autocast(model, options.device_type)
     return model

@@ -65,10 +65,16 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Skip (or resume) the gradient reduction: off for every microbatch but the last.
+def set_gradient_sync(model: nn.Module, last_microbatch: bool) -> None:
+    """Set the data-parallel reduction for the next microbatch's backward (gradient accumulation).
 
-    FSDP2 modules and torch's composable replicate (DDP) both offer set_requires_gradient_sync.
+    FSDP reduce-scatters every microbatch, so only sharded gradients accumulate (no full-size
+    gradient lives between microbatches, as in TorchTitan); HSDP all-reduces the shards across
+    replicas on the last microbatch only. DDP (torch's composable replicate) skips the all-reduce
+    of every microbatch but the last. Under pipeline parallel torch's schedules do this
+    themselves (and keep a stage's gradients unsharded until its last microbatch).
     """
-    if isinstance(model, FSDPModule) or hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(enabled)
+    if isinstance(model, FSDPModule):
+        model.set_requires_all_reduce(last_microbatch)
+    elif hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(last_microbatch)

@@ -167,9 +167,10 @@ def test_async_save_resumes_exactly(single, tmp_path, data_cache):
 
 
 def test_seed_checkpoint_starts_any_layout(tmp_path, data_cache):
+    """A seed checkpoint written shard by shard by 2 ranks starts one process and FSDP alike."""
     seed7 = tmp_path / "seed7"
-    check_ok(run_train(args_for(seed7, data_cache, "--training.seed", "7",
-                                "--checkpoint.create_seed_checkpoint")))
+    check_ok(run_train(args_for(seed7, data_cache, "--training.seed", "7", "--training.local_batch_size", "4",
+                                "--checkpoint.create_seed_checkpoint"), nproc=2))
     assert [p.name for p in (seed7 / "checkpoint").iterdir()] == ["step-0"]
     # Seed-7 weights, seed-42 data order, in two layouts: equal to each other, unlike seed-42 weights.
     runs = {}

@@ -63,3 +63,12 @@ def test_vocab_mismatch(tmp_path):
 def test_bad_layout_under_torchrun(nproc, args, fragment, tmp_path):
     fails_with(run_train([*TINY, "--job.dump_folder", str(tmp_path), *args], nproc=nproc), fragment,
                torchrun=True)
+
+
+def test_error_on_one_rank_is_printed_once_with_its_rank(tmp_path):
+    """A KilnError that rank 1 alone finds: one line, prefixed with the rank; rank 0, whose next
+    collective fails because rank 1 left, adds none; the run exits non-zero."""
+    proc = run_train([*TINY, "--job.dump_folder", str(tmp_path), "--job.custom_import",
+                      "tests.helpers.rank_error"], nproc=2)
+    fails_with(proc, "rank 1: cannot read /data/shard-1.bin", torchrun=True)
+    assert "lost contact" not in proc.stderr

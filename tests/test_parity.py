@@ -95,3 +95,18 @@ def test_tied_embeddings_fsdp_matches_single_process(tmp_path, data_cache):
         assert _relative(got["loss"], ref["loss"]) <= tol
         assert _relative(got["grad_norm"], ref["grad_norm"]) <= tol
     assert runs[1][-1]["loss"] < runs[1][0]["loss"] - 0.2
+
+
+def test_fsdp_accumulation_holds_only_sharded_gradients(tmp_path, data_cache):
+    """Between microbatches FSDP 2 holds only its half of the gradients (reduce-scatter on every
+    microbatch): the live tensors grow by half the full fp32 gradient size over the first
+    microbatch. FSDP2's no-sync mode, measured the same way, holds the full size."""
+    proc = run_train([*TINY, "--training.local_batch_size", "2", *GLOBAL_BATCH,
+                      "--job.dump_folder", str(tmp_path), "--training.data_cache_dir", str(data_cache)], nproc=2,
+                     script="tests/helpers/accumulation_memory.py")
+    check_ok(proc)
+    grown = {line.split()[0]: (int(line.split()[2]), int(line.split()[4]))
+             for line in proc.stdout.splitlines() if " grown " in line}
+    kiln, full = grown["kiln"]
+    assert 0.45 * full <= kiln <= 0.55 * full, grown
+    assert grown["no_sync"][0] >= 0.95 * full, grown

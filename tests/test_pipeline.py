@@ -124,3 +124,48 @@ def test_checkpoints_cross_between_pp_and_fsdp(tmp_path, data_cache):
         assert sorted(rows) == list(range(11, 21))
         for step in range(11, 21):
             assert _relative(rows[step], straight[saver][step]) <= 1e-5, (saver, loader, step)
+
+
+TIED = [*TINY, "--training.global_batch_size", "8", "--job.custom_import", "tests.helpers.variant_models",
+        "--model.name", "llama3_tied_4l"]
+
+
+@pytest.fixture(scope="module")
+def tied_reference(tmp_path_factory, data_cache):
+    dump = tmp_path_factory.mktemp("tied_ref")
+    check_ok(run_train([*TIED, "--job.dump_folder", str(dump), "--training.data_cache_dir", str(data_cache)]))
+    return train_rows(dump)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
+def test_tied_embeddings_stay_one_weight_across_stages(schedule, tied_reference, tmp_path, data_cache):
+    """The first stage's embedding and the last stage's head are one weight: gradients summed across
+    the two ranks (1F1B, Interleaved1F1B) or within one ("v" layout: ZBV), the norm counting it once."""
+    check_ok(run_train([*TIED, "--parallelism.pipeline_parallel_degree", "2",
+                        "--parallelism.pipeline_parallel_schedule", schedule,
+                        "--job.dump_folder", str(tmp_path), "--training.data_cache_dir", str(data_cache)],
+                       nproc=2))
+    _compare(tied_reference, train_rows(tmp_path))
+
+
+def test_tied_checkpoints_cross_between_one_process_and_pp(tied_reference, tmp_path, data_cache):
+    """One process keeps a tied weight once (and its optimizer state under the first name); PP keeps
+    a copy per stage: step-5 of either resumes in the other exactly."""
+    import shutil
+
+    layouts = {"single": (1, []), "pp": (2, ["--parallelism.pipeline_parallel_degree", "2",
+                                             "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"])}
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "5", "--training.data_cache_dir", str(data_cache)]
+    for name, (nproc, extra) in layouts.items():
+        check_ok(run_train([*TIED, *ckpt, *extra, "--job.dump_folder", str(tmp_path / name)], nproc=nproc))
+    for saver, loader in (("single", "pp"), ("pp", "single")):
+        dump = tmp_path / f"{saver}_to_{loader}"
+        shutil.copytree(tmp_path / saver / "checkpoint" / "step-5", dump / "checkpoint" / "step-5")
+        nproc, extra = layouts[loader]
+        proc = run_train([*TIED, *ckpt, *extra, "--job.dump_folder", str(dump)], nproc=nproc)
+        check_ok(proc)
+        rows = train_rows(dump)
+        assert [r["step"] for r in rows] == list(range(6, 11))
+        for got, ref in zip(rows, tied_reference[5:], strict=True):
+            assert _relative(got["loss"], ref["loss"]) <= 1e-4, (saver, loader, got, ref)
+            assert _relative(got["grad_norm"], ref["grad_norm"]) <= 1e-4, (saver, loader, got, ref)

@@ -3,6 +3,7 @@
 - "llama3_tied": the tiny Llama with tied input/output embeddings (Llama 3.2 1B/3B style).
 - "small_vocab": the tiny Llama with a 1000-token vocabulary (smaller than the tokenizer's).
 - "llama3_4l": the tiny Llama with 4 layers, so pipeline tests have a layer for every stage.
+- "llama3_tied_4l": the same, tied, for pipeline stages that share the embedding.
 - "moe_variant": see below.
 """
 
@@ -21,6 +22,7 @@ def _register(name: str, **changes) -> None:
 _register("llama3_tied", tie_embeddings=True)
 _register("small_vocab", vocab_size=1000)
 _register("llama3_4l", n_layers=4)
+_register("llama3_tied_4l", tie_embeddings=True, n_layers=4)
 
 # "moe_variant": the tiny MoE with a dense first block, sigmoid scores renormalised and scaled,
 # and the auxiliary load-balancing loss on (besides the expert bias).
