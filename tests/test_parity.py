@@ -102,8 +102,8 @@ def test_fsdp_accumulation_holds_only_sharded_gradients(tmp_path, data_cache):
     microbatch): the live tensors grow by half the full fp32 gradient size over the first
     microbatch. FSDP2's no-sync mode, measured the same way, holds the full size."""
     proc = run_train([*TINY, "--training.local_batch_size", "2", *GLOBAL_BATCH,
-                      "--job.dump_folder", str(tmp_path), "--training.data_cache_dir", str(data_cache)], nproc=2,
-                     script="tests/helpers/accumulation_memory.py")
+                      "--job.dump_folder", str(tmp_path), "--training.data_cache_dir", str(data_cache)],
+                     nproc=2, script="tests/helpers/accumulation_memory.py")
     check_ok(proc)
     grown = {line.split()[0]: (int(line.split()[2]), int(line.split()[4]))
              for line in proc.stdout.splitlines() if " grown " in line}
