@@ -44,7 +44,7 @@ from components.gc_control import GarbageCollection
 from components.grad_norm import clip_grad_norm
 from components.local_tensor import local_tensor
 from components.loss import IGNORE_INDEX, cross_entropy_sum
-from components.metrics import MetricsLogger
+from components.metrics import MetricsLogger, memory_gib
 from components.moe_load import balance_experts, imbalance, moe_layers, reset_expert_load, set_aux_loss_scale
 from components.optim import build_lr_scheduler, build_optimizer
 from components.parallel_options import ParallelOptions
@@ -490,7 +490,12 @@ class Trainer:
         """Write the initial weights as step-0 (model only) and stop: each rank writes its shards, so
         any world size makes it and no rank ever holds the whole model."""
         self.checkpoint.save(0, model_only=True)
-        self.say(f"seed checkpoint written to {self.checkpoint.folder}/step-0")
+        peak = torch.tensor(memory_gib(self.info.device), device=self.info.device)
+        if dist.is_initialized():
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        self.say(f"seed checkpoint written to {self.checkpoint.folder}/step-0 ({self.num_params / 1e6:,.0f}M "
+                 f"parameters; peak memory {peak.item():.2f} GiB on the fullest of "
+                 f"{self.info.world_size} rank(s))")
 
     def say(self, line: str) -> None:
         """A console line from the main rank."""

@@ -120,10 +120,11 @@ class Training:
                         _ge(0))
     deterministic: bool = _opt(False, "deterministic kernels (slower), for reproducible runs")
     mixed_precision_param: Literal["auto", "float32", "bfloat16"] = _opt(
-        "auto", "dtype for parameters in forward/backward; auto = bfloat16 on GPU, float32 on CPU"
+        "auto", "compute dtype of forward/backward (FSDP casts the fp32 parameters, other layouts use "
+        "autocast; master weights and optimizer state stay fp32); auto = bfloat16 on GPU, float32 on CPU"
     )
     mixed_precision_reduce: Literal["float32", "bfloat16"] = _opt(
-        "float32", "dtype of the gradient reduction across data-parallel ranks"
+        "float32", "dtype of FSDP/HSDP's gradient reduce-scatter (DDP reduces the fp32 gradients)"
     )
 
 

@@ -183,6 +183,48 @@ def data_table(cache: Path, steps: int = 300) -> None:
     print(f"| {'streaming loader (tokenize on the fly, 16 × 256)':<48} | {streaming:>12,.0f} |")
 
 
+def init_peak_gib(repo: Path, nproc: int, flavor: str, cache: Path) -> tuple[float, float]:
+    """(peak RSS of the fullest rank in GiB, seconds) of writing a seed checkpoint of `flavor` on
+    nproc ranks with the train.py of `repo`: initialisation plus a model-only save, no step. Each
+    rank runs under /usr/bin/time; a tree whose train.py refuses a multi-rank seed checkpoint still
+    initialises first, so its peak is measured all the same."""
+    import time
+
+    with tempfile.TemporaryDirectory() as dump:
+        args = ["train.py", "--config", "llama_debug", "--model.flavor", flavor, "--training.steps", "1",
+                "--checkpoint.create_seed_checkpoint", "--job.dump_folder", dump,
+                "--training.data_cache_dir", str(cache)]
+        timed = ["/usr/bin/time", "-f", "kiln-peak-rss-kib %M", sys.executable, *args]
+        cmd = timed if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                        f"--nproc-per-node={nproc}", "--no-python", *timed]
+        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
+        start = time.perf_counter()
+        out = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
+        seconds = time.perf_counter() - start
+    peaks = [int(line.split()[-1]) for line in (out.stdout + out.stderr).splitlines()
+             if line.startswith("kiln-peak-rss-kib")]
+    return (max(peaks) / 2**20 if peaks else float("nan")), seconds
+
+
+def init_table(a: argparse.Namespace, cache: Path) -> None:
+    """Peak memory per rank of initialising real-size flavors (a seed checkpoint, no step), this tree
+    against --baseline (another checkout, e.g. `git worktree add /tmp/old <commit>`)."""
+    runs = [("1B", n) for n in (1, 2, 4)] + [("3B", 4)]
+    trees = {"this tree": REPO, **({"baseline": Path(a.baseline)} if a.baseline else {})}
+    print(f"\n| {'init, peak RSS of the fullest rank':<36} | " + " | ".join(f"{t:>18}" for t in trees) + " |")
+    print(f"|{'-' * 38}|" + "|".join("-" * 20 for _ in trees) + "|")
+    for flavor, nproc in runs:
+        cells = []
+        for name, tree in trees.items():
+            if name == "baseline" and (flavor not in a.baseline_flavors.split(",")
+                                       or nproc > a.baseline_max_ranks):
+                cells.append(f"{'not run':>18}")
+                continue
+            gib, seconds = init_peak_gib(tree, nproc, flavor, cache)
+            cells.append(f"{gib:>6.2f} GiB {seconds:>5.0f} s")
+        print(f"| {f'{flavor}, {nproc} rank(s), FSDP':<36} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=30)
@@ -194,8 +236,14 @@ def main() -> None:
                     help="comma-separated: overhead (Kiln vs plain loop, FSDP 2 vs 1), parallel "
                          "(FSDP/TP layouts × AC/compile), memory (peak memory per AC mode), pipeline "
                          "(step time per schedule), cp (peak memory of a long sequence per CP degree), "
-                         "data (tokenizer and loader tokens/s)")
+                         "data (tokenizer and loader tokens/s), init (peak memory of initialising "
+                         "the 1B and 3B flavors on 1-4 ranks)")
     ap.add_argument("--cp-seq-len", type=int, default=8192, help="sequence length of the cp table")
+    ap.add_argument("--baseline", default="", help="init table: another checkout to measure beside this one")
+    ap.add_argument("--baseline-flavors", default="1B",
+                    help="init table: flavors the baseline runs (a full copy per rank may not fit)")
+    ap.add_argument("--baseline-max-ranks", type=int, default=2,
+                    help="init table: the most ranks the baseline runs (each may hold the whole model)")
     a = ap.parse_args()
     tables = set(a.tables.split(","))
     cache = Path(tempfile.mkdtemp(prefix="kiln-bench-"))
@@ -212,6 +260,8 @@ def main() -> None:
         memory_table(cache)
     if "pipeline" in tables:
         pipeline_table(a, cache)
+    if "init" in tables:
+        init_table(a, cache)
 
 
 def overhead_table(a: argparse.Namespace, cache: Path) -> None:
