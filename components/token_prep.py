@@ -38,10 +38,11 @@ def prepare_token_file(job: TokenJob, tokenizer: Tokenizer, worker: int = 0, wor
     is 1, else as worker `worker` of `workers` (each must call this with the same job)."""
     if job.documents is None or job.out.exists():
         return job.out
-    if workers == 1:
-        write_token_file(job.documents(), tokenizer, job.out)
-        return job.out
     started = time.monotonic()
+    if workers == 1:
+        tokens = write_token_file(job.documents(), tokenizer, job.out)
+        say(f"tokenized {job.out.name}: {tokens:,} tokens on 1 rank in {time.monotonic() - started:.1f} s")
+        return job.out
     _write_part(job, tokenizer, worker, workers, say, terminal)
     if worker == 0:
         def parts_done() -> int:

@@ -183,6 +183,38 @@ def data_table(cache: Path, steps: int = 300) -> None:
     print(f"| {'streaming loader (tokenize on the fly, 16 × 256)':<48} | {streaming:>12,.0f} |")
 
 
+def tokenize_seconds(nproc: int, corpus: Path, rayon_threads: str) -> float:
+    """Seconds train.py's ranks take to tokenize `corpus` the first time (its own 'tokenized' line)."""
+    with tempfile.TemporaryDirectory() as dump:
+        args = ["train.py", "--config", "llama_debug", "--model.flavor", "tiny", "--training.steps", "1",
+                "--training.dataset_path", str(corpus), "--job.dump_folder", dump]
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        cmd = [sys.executable, *args] if nproc == 1 else [*launch, *args]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        if rayon_threads:
+            env["RAYON_NUM_THREADS"] = rayon_threads
+        out = subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, text=True).stdout
+    line = next(line for line in out.splitlines() if line.startswith("tokenized "))
+    return float(line.rsplit(" in ", 1)[1].split()[0])
+
+
+def tokenize_table() -> None:
+    """Tokenizing a new corpus (Shakespeare ×3, 4.8M tokens) on 1 and 2 ranks of this machine."""
+    sys.path.insert(0, str(REPO))
+    from components.corpus import EMBEDDED_DATASETS, read_documents
+
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "shakespeare_x3.jsonl"
+        docs = list(read_documents(EMBEDDED_DATASETS["shakespeare"]["train"]))
+        corpus.write_text("".join(json.dumps({"text": f"{i} {d}"}) + "\n" for i in range(3) for d in docs))
+        print(f"\n| {'tokenize a new corpus (4.8M tokens)':<48} | {'1 rank':>8} | {'2 ranks':>8} |")
+        print(f"|{'-' * 50}|{'-' * 10}|{'-' * 10}|")
+        for name, rayon in (("the node's cores shared by its ranks (default)", ""),
+                            ("one tokenizer thread per rank", "1")):
+            cells = [f"{tokenize_seconds(n, corpus, rayon):>6.1f} s" for n in (1, 2)]
+            print(f"| {name:<48} | " + " | ".join(cells) + " |")
+
+
 def init_peak_gib(repo: Path, nproc: int, flavor: str, cache: Path) -> tuple[float, float]:
     """(peak RSS of the fullest rank in GiB, seconds) of writing a seed checkpoint of `flavor` on
     nproc ranks with the train.py of `repo`: initialisation plus a model-only save, no step. Each
@@ -237,7 +269,7 @@ def main() -> None:
                          "(FSDP/TP layouts × AC/compile), memory (peak memory per AC mode), pipeline "
                          "(step time per schedule), cp (peak memory of a long sequence per CP degree), "
                          "data (tokenizer and loader tokens/s), init (peak memory of initialising "
-                         "the 1B and 3B flavors on 1-4 ranks)")
+                         "the 1B and 3B flavors on 1-4 ranks), tokenize (a new corpus on 1 and 2 ranks)")
     ap.add_argument("--cp-seq-len", type=int, default=8192, help="sequence length of the cp table")
     ap.add_argument("--baseline", default="", help="init table: another checkout to measure beside this one")
     ap.add_argument("--baseline-flavors", default="1B",
@@ -262,6 +294,8 @@ def main() -> None:
         pipeline_table(a, cache)
     if "init" in tables:
         init_table(a, cache)
+    if "tokenize" in tables:
+        tokenize_table()
 
 
 def overhead_table(a: argparse.Namespace, cache: Path) -> None:
