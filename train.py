@@ -382,7 +382,7 @@ class Trainer:
         pp_mesh = self.dims.mesh("pp")
         grad_norm = clip_grad_norm(params, self.cfg.training.max_norm,
                                    pp_mesh.get_group() if pp_mesh is not None else None,
-                                   counted_elsewhere=self.tied.count_once if self.tied is not None else [])
+                                   counted_elsewhere=self.tied.second_copies if self.tied is not None else [])
         for opt in self.optimizers:
             opt.step()
         self.expert_load = balance_experts(self.moe_layers, self.loss_group)

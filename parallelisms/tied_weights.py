@@ -34,8 +34,8 @@ class TiedWeightSync:
                  for n, p in part.named_parameters()]
         # Per tied weight, this rank's copies of it (none on a middle stage).
         self.copies = [[p for _, n, p in named if n in names] for names in tied]
-        # The grad norm counts each weight once: the first stage's copy.
-        self.count_once = [p for i, n, p in named if i != 0 and any(n in names for names in tied)]
+        # The copies on stages other than the first: the grad norm counts each weight once.
+        self.second_copies = [p for i, n, p in named if i != 0 and any(n in names for names in tied)]
         self.group = self._pair_group(dims, schedule, num_stages)
 
     @staticmethod

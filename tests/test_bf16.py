@@ -61,13 +61,14 @@ def test_bf16_expert_parallel_matches_one_process_bf16(tmp_path, data_cache):
 
 
 def test_bf16_learns_like_fp32(tmp_path, data_cache):
-    """40 steps of FSDP 2 in bf16 (the GPU path: parameters cast) against one process in fp32: the
-    loss falls by more than 2 nats in both and ends within 0.5% (measured: 6e-5 apart)."""
-    steps = ["--training.steps", "40", "--lr_scheduler.warmup_steps", "4"]
+    """30 steps of FSDP 2 in bf16 (the GPU path: parameters cast) against one process in fp32: the
+    loss falls by more than 1.5 nats in both and ends within 0.5% (measured over 40 steps: at most
+    1.2e-4 apart)."""
+    steps = ["--training.steps", "30", "--lr_scheduler.warmup_steps", "4"]
     bf16 = _bf16_run([*steps, "--training.local_batch_size", "4"], tmp_path / "bf16", data_cache, nproc=2)
     check_ok(run_train([*TINY, *steps, "--training.global_batch_size", "8", "--job.dump_folder",
                         str(tmp_path / "fp32"), "--training.data_cache_dir", str(data_cache)]))
     fp32 = train_rows(tmp_path / "fp32")
     for rows in (bf16, fp32):
-        assert rows[0]["loss"] - rows[-1]["loss"] > 2.0
+        assert rows[0]["loss"] - rows[-1]["loss"] > 1.5
     assert abs(bf16[-1]["loss"] - fp32[-1]["loss"]) <= 0.005 * fp32[-1]["loss"]

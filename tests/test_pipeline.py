@@ -106,8 +106,7 @@ def test_checkpoints_cross_between_pp_and_fsdp(tmp_path, data_cache):
 
     layouts = {"pp": ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"],
                "fsdp": ["--training.local_batch_size", "2"]}
-    ckpt = ["--training.steps", "20", "--checkpoint.enable", "--checkpoint.interval", "10",
-            "--training.data_cache_dir", str(data_cache)]
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "5", "--training.data_cache_dir", str(data_cache)]
     straight = {}
     for name, extra in layouts.items():
         dump = tmp_path / f"straight_{name}"
@@ -115,14 +114,14 @@ def test_checkpoints_cross_between_pp_and_fsdp(tmp_path, data_cache):
         straight[name] = {r["step"]: r["loss"] for r in train_rows(dump)}
     for saver, loader in (("pp", "fsdp"), ("fsdp", "pp")):
         dump = tmp_path / f"{saver}_to_{loader}"
-        shutil.copytree(tmp_path / f"straight_{saver}" / "checkpoint" / "step-10",
-                        dump / "checkpoint" / "step-10")
+        shutil.copytree(tmp_path / f"straight_{saver}" / "checkpoint" / "step-5",
+                        dump / "checkpoint" / "step-5")
         proc = run_train([*PP, *ckpt, *layouts[loader], "--job.dump_folder", str(dump)], nproc=4)
         check_ok(proc)
         assert "resumed from" in proc.stdout
         rows = {r["step"]: r["loss"] for r in train_rows(dump)}
-        assert sorted(rows) == list(range(11, 21))
-        for step in range(11, 21):
+        assert sorted(rows) == list(range(6, 11))
+        for step in range(6, 11):
             assert _relative(rows[step], straight[saver][step]) <= 1e-5, (saver, loader, step)
 
 
@@ -130,11 +129,21 @@ TIED = [*TINY, "--training.global_batch_size", "8", "--job.custom_import", "test
         "--model.name", "llama3_tied_4l"]
 
 
+TIED_CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
+
+
 @pytest.fixture(scope="module")
-def tied_reference(tmp_path_factory, data_cache):
+def tied_run(tmp_path_factory, data_cache):
+    """The one-process tied run (with its step-5 checkpoint): (rows, dump folder)."""
     dump = tmp_path_factory.mktemp("tied_ref")
-    check_ok(run_train([*TIED, "--job.dump_folder", str(dump), "--training.data_cache_dir", str(data_cache)]))
-    return train_rows(dump)
+    check_ok(run_train([*TIED, *TIED_CKPT, "--job.dump_folder", str(dump),
+                        "--training.data_cache_dir", str(data_cache)]))
+    return train_rows(dump), dump
+
+
+@pytest.fixture(scope="module")
+def tied_reference(tied_run):
+    return tied_run[0]
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
@@ -148,19 +157,20 @@ def test_tied_embeddings_stay_one_weight_across_stages(schedule, tied_reference,
     _compare(tied_reference, train_rows(tmp_path))
 
 
-def test_tied_checkpoints_cross_between_one_process_and_pp(tied_reference, tmp_path, data_cache):
+def test_tied_checkpoints_cross_between_one_process_and_pp(tied_run, tmp_path, data_cache):
     """One process keeps a tied weight once (and its optimizer state under the first name); PP keeps
     a copy per stage: step-5 of either resumes in the other exactly."""
     import shutil
 
+    tied_reference, single_dump = tied_run
     layouts = {"single": (1, []), "pp": (2, ["--parallelism.pipeline_parallel_degree", "2",
                                              "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"])}
-    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "5", "--training.data_cache_dir", str(data_cache)]
-    for name, (nproc, extra) in layouts.items():
-        check_ok(run_train([*TIED, *ckpt, *extra, "--job.dump_folder", str(tmp_path / name)], nproc=nproc))
+    ckpt = [*TIED_CKPT, "--training.data_cache_dir", str(data_cache)]
+    check_ok(run_train([*TIED, *ckpt, *layouts["pp"][1], "--job.dump_folder", str(tmp_path / "pp")], nproc=2))
+    savers = {"single": single_dump, "pp": tmp_path / "pp"}
     for saver, loader in (("single", "pp"), ("pp", "single")):
         dump = tmp_path / f"{saver}_to_{loader}"
-        shutil.copytree(tmp_path / saver / "checkpoint" / "step-5", dump / "checkpoint" / "step-5")
+        shutil.copytree(savers[saver] / "checkpoint" / "step-5", dump / "checkpoint" / "step-5")
         nproc, extra = layouts[loader]
         proc = run_train([*TIED, *ckpt, *extra, "--job.dump_folder", str(dump)], nproc=nproc)
         check_ok(proc)
