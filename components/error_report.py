@@ -13,7 +13,7 @@ import time
 
 import torch.distributed as dist
 
-_RANK0 = "kiln/error/rank0"  # rank 0 has reported a KilnError
+_RANK0 = "kiln/error/rank0"  # rank 0 has printed its KilnError line
 _REPORTED = "kiln/error/reported"  # how many ranks have found one
 _PRINTED = "kiln/error/printed"  # how many non-zero ranks claimed the line (the first prints)
 RANK0_GRACE_SECONDS = 3.0  # how long another rank waits to hear whether rank 0 has the error too
@@ -27,9 +27,9 @@ def report_kiln_error(error: Exception, rank: int, store: dist.Store | None) -> 
         return
     try:
         store.add(_REPORTED, 1)
-        if rank == 0:
-            store.set(_RANK0, "1")
+        if rank == 0:  # print first, then tell: a rank that leaves on the flag gets rank 0 killed
             _print(f"kiln: error: {error}")
+            store.set(_RANK0, "1")
             return
         if _rank0_reports(store) or store.add(_PRINTED, 1) != 1:
             return
