@@ -9,7 +9,6 @@ validation and checkpoints; main() turns errors into one line and a clean exit.
 """
 
 import contextlib
-import importlib
 import os
 import sys
 import traceback
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+from builders import build_layout, build_model_parts, load_model_family
 from components.checkpoint import CheckpointManager, check_model_matches
 from components.checkpoint_states import (
     DataLoaderState,
@@ -41,11 +41,10 @@ from components.error_report import report_kiln_error, reported_elsewhere
 from components.errors import KilnError
 from components.folders import require_writable
 from components.gc_control import GarbageCollection
-from components.grad_norm import clip_grad_norm
 from components.local_tensor import local_tensor
-from components.loss import IGNORE_INDEX, cross_entropy_sum
+from components.loss import IGNORE_INDEX
 from components.metrics import MetricsLogger, memory_gib
-from components.moe_load import balance_experts, imbalance, moe_layers, reset_expert_load, set_aux_loss_scale
+from components.moe_load import imbalance
 from components.optim import build_lr_scheduler, build_optimizer
 from components.parallel_options import ParallelOptions
 from components.peak_flops import peak_flops
@@ -55,32 +54,10 @@ from components.run_data import DataRanks, build_run_data, cache_folder
 from components.run_summary import RunFacts, startup_summary
 from components.shared_folder import unseen_by
 from components.tokenizer import Tokenizer
-from models import ModelSpec, UnknownModelError, get_model_args, get_model_spec
-from parallelisms.context_parallel import head_tail_positions, shard_sequence
-from parallelisms.fsdp import set_gradient_sync
-from parallelisms.layout_checks import ModelShape, stage_layers
 from parallelisms.materialize import materialize_and_init
 from parallelisms.parallel_dims import ParallelDims
-from parallelisms.pipeline import PipelineRunner, build_stages, stage_ids
 from parallelisms.tensor_parallel import loss_context
-from parallelisms.tied_weights import TiedWeightSync, shared_parameter_names
-
-Batch = list[tuple[torch.Tensor, torch.Tensor]]  # a step's microbatches of (inputs, labels)
-
-
-def load_model_family(cfg: JobConfig) -> tuple[ModelSpec, object]:
-    """The registered ModelSpec of model.name (after job.custom_import) and a copy of its flavor's args."""
-    if cfg.job.custom_import:
-        sys.path.insert(0, os.getcwd())
-        try:
-            importlib.import_module(cfg.job.custom_import)
-        except ImportError as e:
-            raise KilnError(f"job.custom_import {cfg.job.custom_import!r} cannot be imported: {e}") from None
-    try:
-        spec = get_model_spec(cfg.model.name)
-        return spec, get_model_args(spec, cfg.model.flavor)
-    except UnknownModelError as e:
-        raise KilnError(str(e)) from None
+from training_step import StepSetup, TrainStep
 
 
 class Trainer:
@@ -98,6 +75,9 @@ class Trainer:
                                    self._data_ranks())
         self._build_model()
         self._build_optimizers()
+        self.step = TrainStep(self.model_parts, self.optimizers, self.schedulers, StepSetup(
+            self.dims, self.options, info.device, cfg.training.max_norm, self.global_batch, self.num_stages,
+            tuple(self.stage_ids), tuple(tuple(names) for names in self.tied_names)))
         self.state = TrainState()
         self.checkpoint = self._build_checkpointing()
         self.metrics = self._build_metrics()
@@ -112,34 +92,16 @@ class Trainer:
             raise KilnError(f"tokenizer {cfg.model.tokenizer_path} has {tokenizer.vocab_size} tokens but "
                             f"model {cfg.model.name}/{cfg.model.flavor} has a vocabulary of "
                             f"{args.vocab_size}")
-        if cfg.training.seq_len > args.max_seq_len:
-            raise KilnError(f"training.seq_len {cfg.training.seq_len} exceeds the model's max_seq_len "
-                            f"{args.max_seq_len}")
         return tokenizer
 
     def _build_layout(self) -> ParallelDims:
         """The degrees, checked against the world, the model and the run (every problem at once), then
-        one mesh; also this rank's place in it: data-parallel rank, loss group, CP positions."""
-        p, t, args = self.cfg.parallelism, self.cfg.training, self.model_args
-        dims = ParallelDims(dp_replicate=p.data_parallel_replicate_degree,
-                            dp_shard=p.data_parallel_shard_degree, cp=p.context_parallel_degree,
-                            tp=p.tensor_parallel_degree,
-                            pp=p.pipeline_parallel_degree, ep=p.expert_parallel_degree,
-                            world_size=self.info.world_size)
-        self.global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp
-        dims.check_layout(ModelShape.from_args(args, self.spec.pipeline_fn is not None), self.options,
-                          device_type=self.info.device.type, global_batch=self.global_batch,
-                          document_mask=t.document_mask,
-                          extra=self.spec.check_fn(args, dims) if self.spec.check_fn else [])
+        one mesh; also this rank's data-parallel rank."""
+        dims, self.global_batch = build_layout(self.cfg, self.spec, self.model_args, self.info.world_size,
+                                               self.options, self.info.device.type)
         dims.build_mesh(self.info.device.type)
-        dp_mesh, cp_mesh, loss_mesh = dims.mesh("dp"), dims.mesh("cp"), dims.mesh("dp_cp")
+        dp_mesh = dims.mesh("dp")
         self.dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
-        # Ranks that hold different tokens of a step (data and context parallel): losses and token
-        # counts are summed over them.
-        self.loss_group = loss_mesh.get_group() if loss_mesh is not None else None
-        # Under context parallel each rank keeps its head-tail share of every sequence.
-        self.cp_positions = (head_tail_positions(t.seq_len, dims.cp, cp_mesh.get_local_rank())
-                             if cp_mesh is not None else None)
         return dims
 
     def _data_ranks(self) -> DataRanks:
@@ -158,40 +120,15 @@ class Trainer:
         """The model on the meta device, cut into this rank's pipeline stages, each parallelized and
         then materialised with layout-free initial weights; the loss and the step's helpers."""
         args, t = self.model_args, self.cfg.training
-        with torch.device("meta"):
-            whole = self.spec.model_cls(args)
-        self.num_params = sum(p.numel() for p in whole.parameters())
+        built = build_model_parts(self.spec, args, self.dims, self.options)
+        self.num_params, tied = built.num_params, built.tied_names
+        self.tied_names = tied  # the checkpoint's optimizer state keeps one copy of a tied weight
         self.flops_per_token = self.spec.flops_per_token_fn(args, self.num_params, t.seq_len)
-        tied = self.tied_names = shared_parameter_names(whole)
-        self.model_parts, self.stage_ids, self.num_stages = self._split(whole)
+        self.model_parts, self.stage_ids, self.num_stages = built.parts, built.stage_ids, built.num_stages
         for part in self.model_parts:
-            self.spec.parallelize_fn(part, self.dims, self.options)
             materialize_and_init(part, lambda: self.spec.model_cls(args), t.seed, self.info.device)
             part.train()
             self._set_document_mask(part)
-        # Under TP the logits stay sharded over the vocabulary into the loss, unless disabled.
-        self.use_loss_parallel = self.dims.tp > 1 and self.options.loss_parallel
-        # The loss is compiled with the blocks, except on vocabulary-sharded DTensor logits.
-        compile_loss = self.options.compile and not self.use_loss_parallel
-        self.loss_fn = torch.compile(cross_entropy_sum) if compile_loss else cross_entropy_sum
-        # MoE layers (if any): their expert load moves the expert bias after each step.
-        self.moe_layers = moe_layers(self.model_parts)
-        self.expert_load: dict[str, list[int]] = {}
-        self.pipeline = self._build_pipeline() if self.dims.pp > 1 else None
-        # A tied embedding cut into two stages' copies stays one weight (parallelisms/tied_weights.py).
-        self.tied = (TiedWeightSync(self.model_parts, self.stage_ids, tied, self.dims,
-                                    self.options.pp_schedule, self.num_stages)
-                     if tied and self.dims.pp > 1 else None)
-
-    def _split(self, whole: torch.nn.Module) -> tuple[list[torch.nn.Module], list[int], int]:
-        """This rank's model parts: the whole model, or its pipeline stages (layers by stage)."""
-        if self.dims.pp == 1:
-            return [whole], [0], 1
-        layers = stage_layers(self.model_args.n_layers, self.dims.pp, self.options)
-        ids = stage_ids(self.dims.mesh("pp").get_local_rank(), self.dims.pp, self.options.pp_schedule)
-        last = len(layers) - 1
-        return [self.spec.pipeline_fn(whole, layers[i], i == 0, i == last) for i in ids], ids, len(layers)
-
     def _set_document_mask(self, part: torch.nn.Module) -> None:
         """training.document_mask: tell the model its BOS token (models/protocol.py's hook)."""
         t = self.cfg.training
@@ -204,13 +141,6 @@ class Trainer:
                             f"(models/protocol.py); model {self.spec.name!r} lacks it")
         part.document_bos_id = self.tokenizer.bos_id
         part.restart_positions = t.document_positions_restart
-
-    def _build_pipeline(self) -> PipelineRunner:
-        """The schedule over this rank's stages; a step's rows per rank split into microbatches."""
-        n_microbatches = self.global_batch // self.dims.dp // self.options.pp_microbatch_size
-        stages = build_stages(self.model_parts, self.stage_ids, self.num_stages, self.info.device,
-                              self.dims.mesh("pp"), lambda: reset_expert_load(self.moe_layers))
-        return PipelineRunner(self.options.pp_schedule, stages, n_microbatches, self.loss_fn, self.num_stages)
 
     def _build_optimizers(self) -> None:
         """One optimizer and LR schedule per model part (pipeline stages keep separate state dicts)."""
@@ -251,7 +181,8 @@ class Trainer:
     def summary(self) -> str:
         """The start-up lines: model, layout, batch, data, precision and the MFU peak."""
         d, a = self.dims, self.model_args
-        n_micro = self.pipeline.n_microbatches if self.pipeline is not None else 0
+        pipeline = self.step.pipeline
+        n_micro = pipeline.n_microbatches if pipeline is not None else 0
         return startup_summary(self.cfg, RunFacts(
             num_params=self.num_params, embedding_params=a.vocab_size * a.dim,
             flops_per_token=self.flops_per_token, layout=d.describe(self.options, self.num_stages, n_micro),
@@ -286,7 +217,7 @@ class Trainer:
             while st.step < t.steps:
                 st.step += 1
                 lr = self.schedulers[0].get_last_lr()[0]
-                loss_sum, local_tokens, grad_norm = self.train_step(self.data.loader.batch(st.step))
+                loss_sum, local_tokens, grad_norm = self.step(self.data.loader.batch(st.step))
                 st.tokens_seen += tokens_per_step
                 self.metrics.count_tokens(tokens_per_step // self.info.world_size)
                 last = st.step == t.steps
@@ -330,91 +261,23 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def train_step(self, microbatches: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Forward/backward over the microbatches, clip, step.
-
-        Returns this rank's summed loss and token count, and the global grad norm.
-        """
-        microbatches = [self.shard_sequence(x, y) for x, y in microbatches]
-        local_tokens = torch.tensor(sum(int((y != IGNORE_INDEX).sum()) for _, y in microbatches),
-                                    dtype=torch.float64, device=self.info.device)
-        global_tokens = local_tokens.clone()
-        if self.loss_group is not None:
-            dist.all_reduce(global_tokens, group=self.loss_group)
-        # Every rank's loss is a sum over its tokens scaled by dp·cp / global tokens: the gradient
-        # average over data- and context-parallel ranks (÷ dp·cp) then yields the gradient of the
-        # mean over the global batch.
-        scale = self.dims.dp * self.dims.cp / global_tokens.item()
-        set_aux_loss_scale(self.moe_layers, scale)
-        if self.pipeline is not None:
-            loss_sum = self._pipeline_forward_backward(microbatches, scale)
-        else:
-            loss_sum = self._forward_backward(microbatches, scale)
-        grad_norm = self._optimizer_step()
-        return loss_sum, local_tokens, grad_norm
-
-    def _forward_backward(self, microbatches: Batch, scale: float) -> torch.Tensor:
-        """Gradient accumulation over the microbatches; data-parallel sync on the last one only."""
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.info.device)
-        model = self.model_parts[0]
-        for i, (inputs, labels) in enumerate(microbatches):
-            set_gradient_sync(model, i == len(microbatches) - 1)
-            inputs, labels = inputs.to(self.info.device), labels.to(self.info.device)
-            with loss_context(self.use_loss_parallel):
-                loss = self.loss_fn(model(inputs), labels)
-                (loss * scale).backward()
-            loss_sum += local_tensor(loss.detach())
-        return loss_sum
-
-    def _pipeline_forward_backward(self, microbatches: Batch, scale: float) -> torch.Tensor:
-        """The whole step's rows through the pipeline schedule (it cuts its own microbatches)."""
-        inputs = torch.cat([x for x, _ in microbatches]).to(self.info.device)
-        labels = torch.cat([y for _, y in microbatches]).to(self.info.device)
-        with loss_context(self.use_loss_parallel):
-            return self.pipeline.run(inputs, labels, scale)
-
-    def _optimizer_step(self) -> torch.Tensor:
-        """Clip by the global grad norm (across meshes and stages), step, move the MoE expert bias
-        from the global load, step the LR, clear gradients; returns the grad norm."""
-        if self.tied is not None:
-            self.tied.sum_gradients()
-        params = [p for part in self.model_parts for p in part.parameters()]
-        pp_mesh = self.dims.mesh("pp")
-        grad_norm = clip_grad_norm(params, self.cfg.training.max_norm,
-                                   pp_mesh.get_group() if pp_mesh is not None else None,
-                                   counted_elsewhere=self.tied.second_copies if self.tied is not None else [])
-        for opt in self.optimizers:
-            opt.step()
-        self.expert_load = balance_experts(self.moe_layers, self.loss_group)
-        for sched in self.schedulers:
-            sched.step()
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
-        return grad_norm
-
-    def shard_sequence(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's share of the sequences under context parallel (all of them otherwise)."""
-        if self.cp_positions is None:
-            return inputs, labels
-        return shard_sequence(inputs, self.cp_positions), shard_sequence(labels, self.cp_positions)
-
     def global_mean(self, total: torch.Tensor, count: torch.Tensor) -> float:
         """sum(total) / sum(count) over the data- and context-parallel ranks."""
         both = torch.stack([total.double(), count.double()])
-        if self.loss_group is not None:
-            dist.all_reduce(both, group=self.loss_group)
+        if self.step.loss_group is not None:
+            dist.all_reduce(both, group=self.step.loss_group)
         mean = both[0] / both[1]
-        if self.pipeline is not None:  # only the last stage has the loss: share it along the pipeline
-            mean = mean if self.pipeline.has_last else torch.zeros_like(mean)
+        if self.step.pipeline is not None:  # only the last stage has the loss: share it along the pipeline
+            mean = mean if self.step.pipeline.has_last else torch.zeros_like(mean)
             dist.all_reduce(mean, group=self.dims.mesh("pp").get_group())
         return mean.item()
 
     def moe_metrics(self) -> dict:
         """This step's tokens per expert and max/mean imbalance of every MoE layer (all stages)."""
-        load = self.expert_load
+        load = self.step.expert_load
         if getattr(self.model_args, "moe", None) is None:  # dense model: nothing to gather
             return {}
-        if self.pipeline is not None:
+        if self.step.pipeline is not None:
             stages: list[dict] = [{} for _ in range(self.dims.pp)]
             dist.all_gather_object(stages, load, group=self.dims.mesh("pp").get_group())
             load = {k: v for stage in stages for k, v in stage.items()}
@@ -428,20 +291,20 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> None:
         """Mean loss over the validation split (validation.steps rounds), logged with val_loss."""
-        local_batch = self.cfg.training.local_batch_size
+        local_batch, step = self.cfg.training.local_batch_size, self.step
         for part in self.model_parts:
             part.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.info.device)
         count = torch.zeros((), dtype=torch.float64, device=self.info.device)
         for inputs, labels in self.data.val_batches:
-            inputs, labels = self.shard_sequence(inputs, labels)
+            inputs, labels = step.shard_sequence(inputs, labels)
             inputs, labels = inputs.to(self.info.device), labels.to(self.info.device)
-            with loss_context(self.use_loss_parallel):
-                if self.pipeline is not None:  # a whole step's rows: the schedule's microbatches
-                    total += self.pipeline.run(inputs, labels, 1.0, train=False).double()
+            with loss_context(step.loss_parallel):
+                if step.pipeline is not None:  # a whole step's rows: the schedule's microbatches
+                    total += step.pipeline.run(inputs, labels, 1.0, train=False).double()
                 else:
                     for x, y in zip(inputs.split(local_batch), labels.split(local_batch), strict=True):
-                        total += local_tensor(self.loss_fn(self.model_parts[0](x), y)).double()
+                        total += local_tensor(step.loss_fn(self.model_parts[0](x), y)).double()
             count += (labels != IGNORE_INDEX).sum()
         for part in self.model_parts:
             part.train()

@@ -27,26 +27,33 @@ class ExpertParallelDispatch:
     @outside_compile  # data-dependent all-to-alls stay outside compiled graphs
     def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         """x [n, dim]: this rank's (token, choice) rows sorted by global expert; counts [E] per expert."""
-        ep, group = self.ep, self.group
-        local_e = counts.numel() // ep
-        send = counts.view(ep, local_e)  # rows for rank r's experts
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)  # recv[s, e]: rows from rank s for my expert e
-        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        group = self.group
+        send, recv = self.exchange_counts(counts, x.shape[0])
+        in_splits, out_splits = [sum(row) for row in send], [sum(row) for row in recv]
         received = all_to_all_single(x.new_empty(sum(out_splits), x.shape[1]), x, out_splits, in_splits,
                                      group=group)
         # Received rows are ordered (source rank, expert); the experts want (expert, source rank).
-        by_expert = _source_major_to_expert_major(recv)
+        by_expert = _source_major_to_expert_major(recv).to(x.device)
         # An expert's weight gradient sums the tokens of all ep ranks, each rank's loss already
         # scaled for the mean over dp × cp, while FSDP averages it over only (dp × cp) / ep ranks:
         # 1/ep on the gradient into the experts (and ep back on the one leaving them) evens that.
         # (FSDP's own gradient divide factor needs PREMUL_SUM, which gloo lacks.)
-        inputs = _ScaleGrad.apply(received[by_expert], float(ep))
-        out = _ScaleGrad.apply(experts(inputs, recv.sum(0).tolist()), 1.0 / ep)
+        inputs = _ScaleGrad.apply(received[by_expert], float(self.ep))
+        per_expert = [sum(column) for column in zip(*recv, strict=True)]
+        out = _ScaleGrad.apply(experts(inputs, per_expert), 1.0 / self.ep)
         back = torch.empty_like(by_expert)
         back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
         return all_to_all_single(x.new_empty(x.shape[0], out.shape[1]), out[back], in_splits, out_splits,
                                  group=group)
+
+    def exchange_counts(self, counts: torch.Tensor, rows: int) -> tuple[list[list[int]], list[list[int]]]:
+        """(send, recv): send[r][e] rows of mine for rank r's expert e, recv[s][e] rows rank s sends
+        for my expert e, learnt with one all-to-all of the counts. (`rows`, this rank's row count,
+        is what the planner's balanced routing splits instead: planning/balanced_routing.py.)"""
+        send = counts.view(self.ep, counts.numel() // self.ep)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        return send.tolist(), recv.tolist()
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -62,9 +69,8 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-def _source_major_to_expert_major(recv: torch.Tensor) -> torch.Tensor:
-    """Row permutation from (source, expert) order to (expert, source) order for counts recv [S, E]."""
-    counts = recv.tolist()
+def _source_major_to_expert_major(counts: list[list[int]]) -> torch.Tensor:
+    """Row permutation from (source, expert) order to (expert, source) order for counts [S][E]."""
     starts, at = [], 0
     for row in counts:
         starts.append([])
@@ -73,7 +79,7 @@ def _source_major_to_expert_major(recv: torch.Tensor) -> torch.Tensor:
             at += c
     pieces = [torch.arange(starts[s][e], starts[s][e] + counts[s][e])
               for e in range(len(counts[0])) for s in range(len(counts))]
-    return torch.cat(pieces).to(recv.device)
+    return torch.cat(pieces)
 
 
 def apply_ep(moe_layers: list[nn.Module], ep_mesh: DeviceMesh) -> None:

@@ -25,6 +25,7 @@ class ModelShape:
     n_kv_heads: int
     n_layers: int
     vocab_size: int | None = None  # None: not checked
+    max_seq_len: int | None = None  # None: not checked
     tied_embeddings: bool = False
     num_experts: int | None = None  # None: a dense model
     can_pipeline: bool = True  # the model family knows how to cut itself into stages
@@ -33,17 +34,55 @@ class ModelShape:
     def from_args(cls, args: Any, can_pipeline: bool) -> ModelShape:
         """Read from a flavor's args: the contract's fields, tie_embeddings and moe if present."""
         return cls(n_heads=args.n_heads, n_kv_heads=args.kv_heads, n_layers=args.n_layers,
-                   vocab_size=args.vocab_size, tied_embeddings=bool(getattr(args, "tie_embeddings", False)),
+                   vocab_size=args.vocab_size, max_seq_len=args.max_seq_len,
+                   tied_embeddings=bool(getattr(args, "tie_embeddings", False)),
                    num_experts=getattr(getattr(args, "moe", None), "num_experts", None),
                    can_pipeline=can_pipeline)
 
 
+def unusable_degrees(dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: int, ep: int,
+                     world_size: int) -> list[str]:
+    """Degrees nothing else can be checked against: below 1, or a -1 that cannot be filled."""
+    out = [f"parallel degree {name} must be >= 1, got {value}" for name, value in
+           (("dp_replicate", dp_replicate), ("cp", cp), ("tp", tp), ("pp", pp), ("ep", ep)) if value < 1]
+    others = dp_replicate * cp * tp * pp
+    if out:
+        return out
+    if dp_shard == -1 and world_size % others:
+        out.append(f"cannot fill data_parallel_shard_degree=-1: world size {world_size} is not divisible "
+                   f"by dp_replicate {dp_replicate} × cp {cp} × tp {tp} × pp {pp} = {others}")
+    elif dp_shard < 1 and dp_shard != -1:
+        out.append(f"data_parallel_shard_degree must be -1 or >= 1, got {dp_shard}")
+    return out
+
+
+def degree_problems(dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: int, ep: int,
+                    world_size: int) -> list[str]:
+    """The degrees against the world size (dp_shard already resolved from -1 where it could be)."""
+    out = unusable_degrees(dp_replicate, dp_shard, cp, tp, pp, ep, world_size)
+    if out:
+        return out
+    product = dp_replicate * dp_shard * cp * tp * pp
+    if product != world_size:
+        out.append(f"parallel degrees multiply to {product} (dp_replicate {dp_replicate} × dp_shard "
+                   f"{dp_shard} × cp {cp} × tp {tp} × pp {pp}) but the world size is {world_size}")
+    if ep > 1 and (dp_shard * cp) % ep:
+        out.append(f"expert_parallel_degree {ep} must divide dp_shard × cp = {dp_shard * cp} (EP "
+                   "borrows its ranks from those dimensions)")
+    return out
+
+
 def layout_problems(dims: ParallelDims, model: ModelShape, options: ParallelOptions, *,
                     device_type: str = "cpu", global_batch: int | None = None,
-                    document_mask: bool = False) -> list[str]:
-    """One sentence per problem, each naming the option and the numbers; [] when the layout fits."""
+                    local_batch: int | None = None, document_mask: bool = False) -> list[str]:
+    """One sentence per problem, each naming the option and the numbers; [] when the layout fits.
+    The degrees themselves are checked by degree_problems."""
     problems = (_tp_problems(dims, model, options, device_type) + _cp_problems(dims, options)
-                + _ep_problems(dims, model) + _pp_problems(dims, model, options, global_batch))
+                + _ep_problems(dims, model) + _pp_problems(dims, model, options, global_batch)
+                + _batch_problems(dims, global_batch, local_batch))
+    if model.max_seq_len is not None and options.seq_len > model.max_seq_len:
+        problems.insert(0, f"training.seq_len {options.seq_len} exceeds the model's max_seq_len "
+                           f"{model.max_seq_len}")
     if document_mask and (dims.pp > 1 or dims.cp > 1):
         problems.append("training.document_mask is not supported with pipeline or context parallel yet")
     return problems
@@ -123,6 +162,14 @@ def _pp_problems(dims: ParallelDims, model: ModelShape, options: ParallelOptions
     if global_batch is not None:
         out += _microbatch_problems(global_batch // dims.dp, pp, options)
     return out
+
+
+def _batch_problems(dims: ParallelDims, global_batch: int | None, local_batch: int | None) -> list[str]:
+    """A step's global batch must split into whole local batches on every data-parallel rank."""
+    if global_batch is None or local_batch is None or global_batch % (local_batch * dims.dp) == 0:
+        return []
+    return [f"training.global_batch_size {global_batch} must be divisible by local_batch_size {local_batch} "
+            f"× data-parallel degree {dims.dp} = {local_batch * dims.dp}"]
 
 
 def _microbatch_problems(rows: int, pp: int, options: ParallelOptions) -> list[str]:

@@ -6,7 +6,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from components.errors import KilnError
 from components.parallel_options import ParallelOptions
-from parallelisms.layout_checks import ModelShape, layout_problems
+from parallelisms.layout_checks import ModelShape, degree_problems, layout_problems, unusable_degrees
 
 # Outermost to innermost: TP ranks are neighbours (fastest links), PP the farthest apart.
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -35,32 +35,34 @@ class ParallelDims:
     _views: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
-            if getattr(self, name) < 1:
-                raise KilnError(f"parallel degree {name} must be >= 1, got {getattr(self, name)}")
+        problems = self.resolve()
+        if problems:
+            raise KilnError(problems[0] if len(problems) == 1 else
+                            f"{len(problems)} problems with the parallel degrees: " + "; ".join(problems))
+
+    def resolve(self) -> list[str]:
+        """Fill data_parallel_shard_degree -1 with the ranks left over and return every problem of
+        the degrees against the world size, one sentence each (layout_checks.degree_problems)."""
         others = self.dp_replicate * self.cp * self.tp * self.pp
-        if self.dp_shard == -1:
-            if self.world_size % others != 0:
-                raise KilnError(
-                    f"cannot fill data_parallel_shard_degree=-1: world size {self.world_size} is not "
-                    f"divisible by dp_replicate {self.dp_replicate} × cp {self.cp} × tp {self.tp} "
-                    f"× pp {self.pp} = {others}"
-                )
+        if self.dp_shard == -1 and others > 0 and self.world_size % others == 0:
             self.dp_shard = self.world_size // others
-        if self.dp_shard < 1:
-            raise KilnError(f"data_parallel_shard_degree must be -1 or >= 1, got {self.dp_shard}")
-        product = others * self.dp_shard
-        if product != self.world_size:
-            raise KilnError(
-                f"parallel degrees multiply to {product} (dp_replicate {self.dp_replicate} × "
-                f"dp_shard {self.dp_shard} × cp {self.cp} × tp {self.tp} × pp {self.pp}) but the "
-                f"world size is {self.world_size}"
-            )
-        if self.ep > 1 and (self.dp_shard * self.cp) % self.ep != 0:
-            raise KilnError(
-                f"expert_parallel_degree {self.ep} must divide dp_shard × cp = "
-                f"{self.dp_shard * self.cp} (EP borrows its ranks from those dimensions)"
-            )
+        return degree_problems(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, self.ep,
+                               self.world_size)
+
+    @classmethod
+    def unchecked(cls, **degrees: int) -> "ParallelDims":
+        """Degrees kept as given, their problems left to check_layout (every problem at once); a
+        degree below 1 or an unfillable -1 still raises, since nothing can be checked against it."""
+        dims = cls.__new__(cls)
+        for name, value in degrees.items():
+            setattr(dims, name, value)
+        dims.world_mesh, dims.expert_mesh, dims._views = None, None, {}
+        dims.resolve()
+        unusable = unusable_degrees(dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, dims.pp, dims.ep,
+                                    dims.world_size)
+        if unusable:
+            raise KilnError("; ".join(unusable))
+        return dims
 
     @property
     def dp(self) -> int:
@@ -88,12 +90,14 @@ class ParallelDims:
         self.check_layout(shape, ParallelOptions(seq_len=seq_len))
 
     def check_layout(self, model: ModelShape, options: ParallelOptions, *, device_type: str = "cpu",
-                     global_batch: int | None = None, document_mask: bool = False,
-                     extra: list[str] | None = None) -> None:
+                     global_batch: int | None = None, local_batch: int | None = None,
+                     document_mask: bool = False, extra: list[str] | None = None) -> None:
         """Raise one KilnError listing every reason this layout cannot run this model (with `extra`
         problems found by the model's own check); nothing when it can."""
-        problems = layout_problems(self, model, options, device_type=device_type,
-                                   global_batch=global_batch, document_mask=document_mask)
+        problems = degree_problems(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, self.ep,
+                                   self.world_size)
+        problems += layout_problems(self, model, options, device_type=device_type, global_batch=global_batch,
+                                    local_batch=local_batch, document_mask=document_mask)
         problems += extra or []
         if problems:
             raise KilnError(problems[0] if len(problems) == 1 else

@@ -108,20 +108,28 @@ def make_stage_model(whole: nn.Module, layers: list[int], first: bool, last: boo
     return stage
 
 
+# stage index → (example inputs, example outputs) of one microbatch: static shapes for a stage.
+StageShapes = Callable[[int], tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]
+
+
 def build_stages(parts: list[nn.Module], ids: list[int], num_stages: int, device: torch.device,
-                 pp_mesh: DeviceMesh, after_metadata_inference: Callable[[], None] | None = None
-                 ) -> list[PipelineStage]:
+                 pp_mesh: DeviceMesh, after_metadata_inference: Callable[[], None] | None = None,
+                 shapes: StageShapes | None = None) -> list[PipelineStage]:
     """Wrap each (parallelized, materialised) model part in a PipelineStage.
 
     On the first step each stage runs a forward and backward of one microbatch to learn the
     shapes it sends; after_metadata_inference() runs once that is done, before the real
-    microbatches (it undoes side effects of that extra pass, e.g. MoE load counts).
+    microbatches (it undoes side effects of that extra pass, e.g. MoE load counts). `shapes`
+    gives the shapes instead (the planner's fake tensors cannot run that inference).
     """
     from torch.distributed.pipelining import PipelineStage
 
     group = pp_mesh.get_group()
-    stages = [PipelineStage(part, stage_index=i, num_stages=num_stages, device=device, group=group)
-              for part, i in zip(parts, ids, strict=True)]
+    stages = []
+    for part, i in zip(parts, ids, strict=True):
+        inputs, outputs = shapes(i) if shapes is not None else (None, None)
+        stages.append(PipelineStage(part, stage_index=i, num_stages=num_stages, device=device, group=group,
+                                    input_args=inputs, output_args=outputs))
     if after_metadata_inference is not None:
         for stage in stages:
             # torch 2.13 has no public hook here; its schedules call this private method on every

@@ -51,7 +51,7 @@ def first_microbatch_growth(trainer: Trainer, kiln: bool) -> int:
         set_gradient_sync(model, last_microbatch=False)
     else:
         model.set_requires_gradient_sync(False)  # FSDP2's no-sync: unsharded gradients accumulate
-    loss = trainer.loss_fn(model(x), y)
+    loss = trainer.step.loss_fn(model(x), y)
     loss.backward()
     del loss
     grown = live_tensor_bytes() - before

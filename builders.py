@@ -1,0 +1,112 @@
+"""What a run is built from, shared by the trainer (train.py) and the planner (scripts/plan.py): the
+model family, the checked layout, and this rank's model parts on the meta device, parallelized.
+
+The planner runs exactly these under a fake process group, so a layout the trainer refuses is
+refused there with the same message, and the sizes it measures are the trainer's.
+"""
+
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from components.config import JobConfig
+from components.errors import KilnError
+from components.parallel_options import ParallelOptions
+from models import ModelSpec, UnknownModelError, get_model_args, get_model_spec
+from parallelisms.layout_checks import ModelShape, stage_layers
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.pipeline import stage_ids
+from parallelisms.tied_weights import shared_parameter_names
+
+
+def load_model_family(cfg: JobConfig) -> tuple[ModelSpec, Any]:
+    """The registered ModelSpec of model.name (after job.custom_import) and a copy of its flavor's args."""
+    if cfg.job.custom_import:
+        import_custom_module(cfg.job.custom_import)
+    try:
+        spec = get_model_spec(cfg.model.name)
+        return spec, get_model_args(spec, cfg.model.flavor)
+    except UnknownModelError as e:
+        raise KilnError(str(e)) from None
+
+
+def import_custom_module(name: str) -> None:
+    """job.custom_import: a module name (found from the working directory too) or a .py file path."""
+    if name.endswith(".py"):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise KilnError(f"job.custom_import {name!r}: no such file")
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[path.stem] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except ImportError as e:
+            raise KilnError(f"job.custom_import {name!r} cannot be imported: {e}") from None
+        return
+    sys.path.insert(0, os.getcwd())
+    try:
+        importlib.import_module(name)
+    except ImportError as e:
+        raise KilnError(f"job.custom_import {name!r} cannot be imported: {e}") from None
+
+
+def global_batch_size(cfg: JobConfig, dp: int) -> int:
+    """training.global_batch_size, or local_batch_size × dp when it is -1."""
+    t = cfg.training
+    return t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp
+
+
+def build_layout(cfg: JobConfig, spec: ModelSpec, args: Any, world_size: int, options: ParallelOptions,
+                 device_type: str) -> tuple[ParallelDims, int]:
+    """The degrees of the config, checked against the world size, the model and the run — every
+    problem in one KilnError — and the global batch size; no mesh yet."""
+    p, t = cfg.parallelism, cfg.training
+    dims = ParallelDims.unchecked(dp_replicate=p.data_parallel_replicate_degree,
+                                  dp_shard=p.data_parallel_shard_degree, cp=p.context_parallel_degree,
+                                  tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
+                                  ep=p.expert_parallel_degree, world_size=world_size)
+    batch = global_batch_size(cfg, dims.dp)
+    dims.check_layout(ModelShape.from_args(args, spec.pipeline_fn is not None), options,
+                      device_type=device_type, global_batch=batch, local_batch=t.local_batch_size,
+                      document_mask=t.document_mask,
+                      extra=spec.check_fn(args, dims) if spec.check_fn else [])
+    return dims, batch
+
+
+@dataclass
+class ModelParts:
+    """This rank's model: its parts (the whole model, or its pipeline stages), still on meta."""
+
+    parts: list[nn.Module]
+    stage_ids: list[int]  # the pipeline stage of each part ([0] without PP)
+    num_stages: int
+    num_params: int  # of the whole model, a tied weight once
+    tied_names: list[list[str]]  # the names of each weight the model uses twice (tied embeddings)
+
+
+def build_model_parts(spec: ModelSpec, args: Any, dims: ParallelDims, options: ParallelOptions) -> ModelParts:
+    """The model on the meta device, cut into this rank's pipeline stages (if any), each part
+    parallelized by the family's parallelize_fn (the mesh must be built)."""
+    with torch.device("meta"):
+        whole = spec.model_cls(args)
+    num_params = sum(p.numel() for p in whole.parameters())
+    tied = shared_parameter_names(whole)
+    if dims.pp == 1:
+        parts, ids, num_stages = [whole], [0], 1
+    else:
+        layers = stage_layers(args.n_layers, dims.pp, options)
+        ids = stage_ids(dims.mesh("pp").get_local_rank(), dims.pp, options.pp_schedule)
+        last = len(layers) - 1
+        parts = [spec.pipeline_fn(whole, layers[i], i == 0, i == last) for i in ids]
+        num_stages = len(layers)
+    for part in parts:
+        spec.parallelize_fn(part, dims, options)
+    return ModelParts(parts, ids, num_stages, num_params, tied)

@@ -1,0 +1,53 @@
+"""Perfectly balanced MoE routing for the fake step.
+
+How many tokens an expert gets depends on the data (`counts.tolist()`), which fake tensors do not
+have. The planner assumes every expert of a layer gets the same share — the state the expert bias
+steers towards — and runs the real experts and, with expert parallel, the real all-to-alls (so
+their bytes are counted) on those splits. A real run's busiest expert carries more than its share
+(moe_imbalance in metrics.jsonl says how much).
+"""
+
+import torch
+from torch import nn
+
+from components.moe_load import moe_layers
+from parallelisms.expert_parallel import ExpertParallelDispatch
+
+
+def even_split(rows: int, parts: int) -> list[int]:
+    """rows split into `parts` sizes that differ by at most one."""
+    base, extra = divmod(rows, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def balanced_local_experts(x: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+    """MoE.dispatch without expert parallel: this rank's rows spread evenly over its experts."""
+    return experts(x, even_split(x.shape[0], counts.numel()))
+
+
+class BalancedExpertParallel(ExpertParallelDispatch):
+    """Expert parallel whose count exchange (still issued) is replaced by even splits: every rank
+    sends each expert the same number of rows and receives as many from every rank."""
+
+    def __init__(self, real: ExpertParallelDispatch) -> None:
+        self.group, self.ep = real.group, real.ep
+        self.me = torch.distributed.get_rank(self.group)
+
+    def exchange_counts(self, counts: torch.Tensor, rows: int) -> tuple[list[list[int]], list[list[int]]]:
+        local = counts.numel() // self.ep
+        send = counts.view(self.ep, local)
+        torch.distributed.all_to_all_single(torch.empty_like(send), send, group=self.group)
+        split = even_split(rows, counts.numel())  # every rank has as many rows as this one
+        mine = split[self.me * local:(self.me + 1) * local]
+        return [split[r * local:(r + 1) * local] for r in range(self.ep)], [mine] * self.ep
+
+
+def balance_routing(parts: list[nn.Module]) -> int:
+    """Install balanced routing in every MoE layer of the parts; returns how many layers."""
+    layers = moe_layers(parts)
+    for _, moe in layers:
+        if isinstance(moe.dispatch, ExpertParallelDispatch):
+            moe.dispatch = BalancedExpertParallel(moe.dispatch)
+        else:
+            moe.dispatch = balanced_local_experts
+    return len(layers)

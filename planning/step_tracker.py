@@ -1,0 +1,169 @@
+"""StepTracker: the live tensor bytes and the collectives of a fake training step, as they happen.
+
+A TorchDispatchMode entered inside the planner's FakeTensorMode. Every tensor an op returns is
+counted once per storage until that storage dies (a weak reference's callback), and FSDP's
+`storage.resize_` (how it frees and re-allocates unsharded parameters, invisible to dispatch) is
+followed too, so `peak` is the most tensor memory alive at once on the planned rank. Every c10d
+collective is counted in bytes per op kind and mesh dimension, with torch's own helpers for
+which tensor a collective moves (torch.distributed._tools.fake_collectives).
+
+torch's MemTracker (torch.distributed._tools.mem_tracker) does the memory part, but refuses a
+module that runs forward more than once per step (microbatches, pipeline schedules), so Kiln
+keeps this smaller tracker that counts storages only.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+# The kind of traffic each collective is, as the planner reports it.
+_KINDS = {
+    "allgather": "all-gather", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
+    "allreduce": "all-reduce", "all_reduce": "all-reduce", "alltoall": "all-to-all",
+    "all_to_all": "all-to-all", "send": "send/recv", "recv": "send/recv", "isend": "send/recv",
+    "irecv": "send/recv", "batch_p2p": "send/recv", "broadcast": "broadcast",
+}
+
+
+def collective_kind(op: torch._ops.OpOverload) -> str:
+    """all-gather, reduce-scatter, all-reduce, all-to-all, send/recv or broadcast."""
+    name = op.__name__ if hasattr(op, "__name__") else str(op)
+    for key, kind in _KINDS.items():
+        if key in name:
+            return kind
+    return "other"
+
+
+class StepTracker(TorchDispatchMode):
+    """Counts live bytes (now, peak) and collective bytes while active.
+
+    group_names maps a process group's name to the mesh dimension it belongs to (unknown groups
+    are reported as "other"). `category` is the label new storages get (the planner sets
+    "optimizer" around optimizer.step, so the peak can be broken down).
+    """
+
+    def __init__(self, fake_mode: FakeTensorMode, group_names: dict[str, str]) -> None:
+        super().__init__()
+        self.fake_mode = fake_mode
+        self.group_names = group_names
+        self.live: dict[str, int] = defaultdict(int)  # bytes alive now, by category
+        self.peak = 0
+        self.peak_by_category: dict[str, int] = {}
+        self.category = "activations and temporaries"
+        self.comm_bytes: dict[tuple[str, str], int] = defaultdict(int)  # (mesh dim, kind) → bytes
+        self.comm_calls: dict[tuple[str, str], int] = defaultdict(int)
+        self._sizes: dict[int, tuple[str, int, weakref.ref]] = {}  # id(storage) → (category, bytes, ref)
+        self._original_resize: Callable | None = None
+
+    # ----------------------------------------------------------------- memory
+
+    @property
+    def now(self) -> int:
+        return sum(self.live.values())
+
+    def track(self, tensor: torch.Tensor, category: str | None = None) -> None:
+        """Count a tensor's storage (once) under `category` (default: the current one)."""
+        if isinstance(tensor, DTensor):
+            tensor = tensor._local_tensor
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._sizes:
+            return
+        nbytes = storage.nbytes()
+        label = category or self.category
+        self._sizes[key] = (label, nbytes, weakref.ref(storage, lambda _, k=key: self._forget(k)))
+        self.live[label] += nbytes
+        self._update_peak()
+
+    def relabel(self, tensor: torch.Tensor, category: str) -> None:
+        """Move an already counted tensor's bytes to another category (e.g. parameters)."""
+        if isinstance(tensor, DTensor):
+            tensor = tensor._local_tensor
+        key = id(tensor.untyped_storage())
+        if key not in self._sizes:
+            self.track(tensor, category)
+            return
+        old, nbytes, ref = self._sizes[key]
+        self.live[old] -= nbytes
+        self.live[category] += nbytes
+        self._sizes[key] = (category, nbytes, ref)
+
+    def _forget(self, key: int) -> None:
+        entry = self._sizes.pop(key, None)
+        if entry is not None:
+            self.live[entry[0]] -= entry[1]
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        entry = self._sizes.get(id(storage))
+        if entry is None:
+            return
+        label, old, ref = entry
+        new = storage.nbytes()
+        self.live[label] += new - old
+        self._sizes[id(storage)] = (label, new, ref)
+        self._update_peak()
+
+    def _update_peak(self) -> None:
+        now = self.now
+        if now > self.peak:
+            self.peak = now
+            self.peak_by_category = {k: v for k, v in self.live.items() if v}
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is alive now."""
+        self.peak = 0
+        self._update_peak()
+
+    # ----------------------------------------------------------------- mode
+
+    def __enter__(self) -> StepTracker:
+        self._original_resize = original = torch.UntypedStorage.resize_
+
+        @wraps(original)
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            out = original(storage, size)
+            self._resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *args: Any) -> None:
+        torch.UntypedStorage.resize_ = self._original_resize
+        super().__exit__(*args)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor turn itself into local ops first; those are counted
+        kwargs = kwargs or {}
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            out = args[0]  # eager waits in place; the meta kernel would return a new tensor
+        else:
+            out = func(*args, **kwargs)
+        # DTensor's sharding propagation runs ops in a fake mode of its own: not the rank's memory.
+        if torch._subclasses.fake_tensor.active_fake_mode() is not self.fake_mode:
+            return out
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self.track(tensor)
+        if func in collective_ops and func not in sync_ops:
+            self._count_collective(func, out, args, kwargs)
+        return out
+
+    def _count_collective(self, func: torch._ops.OpOverload, out: Any, args: tuple, kwargs: dict) -> None:
+        group = CollectiveOp.get_process_group(func, args)
+        dim = self.group_names.get(group.group_name, "other")
+        kind = collective_kind(func)
+        self.comm_bytes[(dim, kind)] += CollectiveOp.get_comm_tensor_size(func, out, args, kwargs)
+        self.comm_calls[(dim, kind)] += 1
