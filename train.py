@@ -43,6 +43,7 @@ from components.folders import require_writable
 from components.gc_control import GarbageCollection
 from components.local_tensor import local_tensor
 from components.loss import IGNORE_INDEX
+from components.memory_report import MemoryReport
 from components.metrics import MetricsLogger, memory_gib
 from components.moe_load import imbalance
 from components.optim import build_lr_scheduler, build_optimizer
@@ -67,6 +68,9 @@ class Trainer:
         self.cfg, self.info = cfg, info
         set_seed(cfg.training.seed, cfg.training.deterministic)
         self.dump = Path(cfg.job.dump_folder)
+        # Started first: on CPU it records every tensor allocation from before the model exists.
+        self.memory_report = (MemoryReport(info.device, self.dump / f"memory_rank{info.rank}.json")
+                              if cfg.profiling.memory_report else None)
         self.spec, self.model_args = load_model_family(cfg)
         self.tokenizer = self._build_tokenizer()
         self.options = ParallelOptions.from_config(cfg, info.device.type)
@@ -78,6 +82,8 @@ class Trainer:
         self.step = TrainStep(self.model_parts, self.optimizers, self.schedulers, StepSetup(
             self.dims, self.options, info.device, cfg.training.max_norm, self.global_batch, self.num_stages,
             tuple(self.stage_ids), tuple(tuple(names) for names in self.tied_names)))
+        if self.memory_report is not None:
+            self.memory_report.watch(self.model_parts, self.optimizers)
         self.state = TrainState()
         self.checkpoint = self._build_checkpointing()
         self.metrics = self._build_metrics()
@@ -217,7 +223,11 @@ class Trainer:
             while st.step < t.steps:
                 st.step += 1
                 lr = self.schedulers[0].get_last_lr()[0]
+                if self.memory_report is not None:
+                    self.memory_report.step_begins(st.step)
                 loss_sum, local_tokens, grad_norm = self.step(self.data.loader.batch(st.step))
+                if self.memory_report is not None:
+                    self.memory_report.step_ends(st.step, self.model_parts, self.optimizers)
                 st.tokens_seen += tokens_per_step
                 self.metrics.count_tokens(tokens_per_step // self.info.world_size)
                 last = st.step == t.steps

@@ -107,15 +107,20 @@ class TrainStep:
     def _forward_backward(self, microbatches: Batch, scale: float) -> torch.Tensor:
         """Gradient accumulation over the microbatches; data-parallel sync on the last one only."""
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        model = self.parts[0]
         for i, (inputs, labels) in enumerate(microbatches):
-            set_gradient_sync(model, i == len(microbatches) - 1)
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
-            with loss_context(self.loss_parallel):
-                loss = self.loss_fn(model(inputs), labels)
-                (loss * scale).backward()
-            loss_sum += local_tensor(loss.detach())
+            loss_sum += self._microbatch(inputs, labels, scale, last=i == len(microbatches) - 1)
         return loss_sum
+
+    def _microbatch(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float, last: bool
+                    ) -> torch.Tensor:
+        """Forward and backward of one microbatch; returns its summed loss."""
+        model = self.parts[0]
+        set_gradient_sync(model, last)
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        with loss_context(self.loss_parallel):
+            loss = self.loss_fn(model(inputs), labels)
+            (loss * scale).backward()
+        return local_tensor(loss.detach())
 
     def _pipeline_forward_backward(self, microbatches: Batch, scale: float) -> torch.Tensor:
         """The whole step's rows through the pipeline schedule (it cuts its own microbatches)."""

@@ -291,6 +291,10 @@ class Profiling:
         False, "CUDA memory snapshots (allocation history) at the same steps as the traces; CUDA only"
     )
     save_memory_snapshot_folder: str = _opt("memory_snapshot", "snapshot folder, inside job.dump_folder")
+    memory_report: bool = _opt(
+        False, "write memory_rank<R>.json after step 2: parameter, gradient and optimizer bytes by dtype and "
+        "the allocator's peak in step 2 (what scripts/plan.py predicts); slows steps 1-2 on CPU"
+    )
 
 
 @dataclass

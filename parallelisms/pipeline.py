@@ -108,8 +108,9 @@ def make_stage_model(whole: nn.Module, layers: list[int], first: bool, last: boo
     return stage
 
 
-# stage index → (example inputs, example outputs) of one microbatch: static shapes for a stage.
-StageShapes = Callable[[int], tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]
+# stage index → PipelineStage's static metadata of one microbatch: example input_args and
+# output_args (and input_grads / output_grads, which it needs when they are DTensors).
+StageShapes = Callable[[int], dict[str, tuple[torch.Tensor | None, ...]]]
 
 
 def build_stages(parts: list[nn.Module], ids: list[int], num_stages: int, device: torch.device,
@@ -127,9 +128,9 @@ def build_stages(parts: list[nn.Module], ids: list[int], num_stages: int, device
     group = pp_mesh.get_group()
     stages = []
     for part, i in zip(parts, ids, strict=True):
-        inputs, outputs = shapes(i) if shapes is not None else (None, None)
+        static = shapes(i) if shapes is not None else {}
         stages.append(PipelineStage(part, stage_index=i, num_stages=num_stages, device=device, group=group,
-                                    input_args=inputs, output_args=outputs))
+                                    **static))
     if after_metadata_inference is not None:
         for stage in stages:
             # torch 2.13 has no public hook here; its schedules call this private method on every

@@ -21,6 +21,7 @@ from functools import wraps
 from typing import Any
 
 import torch
+from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
 from torch.distributed.tensor import DTensor
@@ -60,9 +61,13 @@ class StepTracker(TorchDispatchMode):
         self.live: dict[str, int] = defaultdict(int)  # bytes alive now, by category
         self.peak = 0
         self.peak_by_category: dict[str, int] = {}
+        self.phase_peak: dict[str, int] = defaultdict(int)  # the peak while each label was current
         self.category = "activations and temporaries"
         self.comm_bytes: dict[tuple[str, str], int] = defaultdict(int)  # (mesh dim, kind) → bytes
         self.comm_calls: dict[tuple[str, str], int] = defaultdict(int)
+        # Storages that are gradients right now (the breakdown of the peak moves them there).
+        self.gradient_storages: Callable[[], list[torch.UntypedStorage]] = list
+        self._peak_pending = False
         self._sizes: dict[int, tuple[str, int, weakref.ref]] = {}  # id(storage) → (category, bytes, ref)
         self._original_resize: Callable | None = None
 
@@ -100,9 +105,12 @@ class StepTracker(TorchDispatchMode):
         self._sizes[key] = (category, nbytes, ref)
 
     def _forget(self, key: int) -> None:
-        entry = self._sizes.pop(key, None)
-        if entry is not None:
-            self.live[entry[0]] -= entry[1]
+        entry = self._sizes.get(key)
+        if entry is None:
+            return
+        self._snapshot_peak()
+        del self._sizes[key]
+        self.live[entry[0]] -= entry[1]
 
     def _resized(self, storage: torch.UntypedStorage) -> None:
         entry = self._sizes.get(id(storage))
@@ -110,20 +118,43 @@ class StepTracker(TorchDispatchMode):
             return
         label, old, ref = entry
         new = storage.nbytes()
+        if new < old:
+            self._snapshot_peak()
         self.live[label] += new - old
         self._sizes[id(storage)] = (label, new, ref)
         self._update_peak()
 
     def _update_peak(self) -> None:
         now = self.now
+        if now > self.phase_peak[self.category]:
+            self.phase_peak[self.category] = now
         if now > self.peak:
             self.peak = now
-            self.peak_by_category = {k: v for k, v in self.live.items() if v}
+            self._peak_pending = True
+
+    def _snapshot_peak(self) -> None:
+        """The breakdown of the peak, taken when memory first falls after it (the peak's state)."""
+        if not self._peak_pending:
+            return
+        self._peak_pending = False
+        breakdown = {k: v for k, v in self.live.items() if v}
+        for key in {id(storage) for storage in self.gradient_storages()}:
+            entry = self._sizes.get(key)
+            if entry is not None and entry[0] != "gradients":
+                breakdown[entry[0]] -= entry[1]
+                breakdown["gradients"] = breakdown.get("gradients", 0) + entry[1]
+        self.peak_by_category = {k: v for k, v in breakdown.items() if v}
 
     def reset_peak(self) -> None:
         """Start a new peak from what is alive now."""
+        self._snapshot_peak()
         self.peak = 0
+        self.phase_peak.clear()
         self._update_peak()
+
+    def finish(self) -> None:
+        """Take the breakdown of a peak that memory never fell from."""
+        self._snapshot_peak()
 
     # ----------------------------------------------------------------- mode
 
@@ -152,7 +183,7 @@ class StepTracker(TorchDispatchMode):
         else:
             out = func(*args, **kwargs)
         # DTensor's sharding propagation runs ops in a fake mode of its own: not the rank's memory.
-        if torch._subclasses.fake_tensor.active_fake_mode() is not self.fake_mode:
+        if active_fake_mode() is not self.fake_mode:
             return out
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):
@@ -165,5 +196,11 @@ class StepTracker(TorchDispatchMode):
         group = CollectiveOp.get_process_group(func, args)
         dim = self.group_names.get(group.group_name, "other")
         kind = collective_kind(func)
-        self.comm_bytes[(dim, kind)] += CollectiveOp.get_comm_tensor_size(func, out, args, kwargs)
+        if kind == "all-to-all":  # what this rank sends (torch's helper adds what it receives)
+            c10d = torch.ops.c10d
+            sent = args[1] if func in (c10d.alltoall_.default, c10d.alltoall_base_.default) else args[0]
+            nbytes = CollectiveOp.sum_tensors(sent)
+        else:
+            nbytes = CollectiveOp.get_comm_tensor_size(func, out, args, kwargs)
+        self.comm_bytes[(dim, kind)] += nbytes
         self.comm_calls[(dim, kind)] += 1

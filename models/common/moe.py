@@ -143,7 +143,11 @@ class MoE(nn.Module):
         a = self.args
         bias = self.expert_bias if a.load_balance_coeff is not None else None
         weights, experts, scores = self.router(x, bias)
-        counts = torch.bincount(experts.flatten(), minlength=a.num_experts)
+        # Tokens per expert; a scatter-add rather than bincount keeps the shape static (fake tensors
+        # and compiled graphs know it without the data).
+        chosen = experts.flatten()
+        counts = torch.zeros(a.num_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, chosen, torch.ones_like(chosen))
         # Count real training forwards once: not the no-grad shape inference of pipeline stages,
         # nor activation checkpointing's re-run of forward inside backward.
         if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:

@@ -1,0 +1,260 @@
+"""Plan one rank: the trainer's own build and training step, run on fake tensors under a fake
+process group, measured as it goes.
+
+The model is built on the meta device and parallelized by the family's parallelize_fn (real
+DTensors, real FSDP) outside fake mode; inside FakeTensorMode it is allocated (to_empty), and two
+training steps run through training_step.TrainStep — microbatches or the real pipeline schedule,
+the grad-norm clip, the real optimizer. The first step creates the optimizer state; the second is
+the steady state the plan reports (its peak and its collectives).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from builders import ModelParts, build_layout, build_model_parts
+from components.config import JobConfig
+from components.local_tensor import local_tensor
+from components.memory_report import state_bytes
+from components.optim import build_lr_scheduler, build_optimizer
+from components.parallel_options import ParallelOptions
+from models import ModelSpec
+from parallelisms.materialize import to_empty_keeping_ties
+from planning.balanced_routing import balance_routing
+from planning.ddp_stand_in import ddp_stand_in
+from planning.fake_world import fake_world, mesh_group_names
+from planning.pipeline_bubble import schedule_bubble
+from planning.step_tracker import StepTracker
+from training_step import Batch, StepSetup, TrainStep
+
+
+@dataclass
+class RankPlan:
+    """What one rank holds and moves in a steady-state training step."""
+
+    rank: int
+    coordinates: dict[str, int]  # its place on every mesh dimension of degree > 1
+    stages: list[int]
+    parameters: dict[str, int]  # bytes by dtype, as stored (FSDP padding included)
+    gradients: dict[str, int]  # bytes by dtype at the optimizer step
+    optimizer: dict[str, int]  # bytes of optimizer state by dtype
+    buffers: int
+    peak: int  # the most tensor memory alive at once during a step
+    peak_breakdown: dict[str, int]
+    optimizer_step_peak: int  # the most alive while the optimizer stepped
+    communication: dict[str, dict[str, int]]  # mesh dim → kind → bytes per step
+    calls: dict[str, dict[str, int]]  # mesh dim → kind → collectives per step
+    bubble: float | None = None  # pipeline idle fraction (None without PP)
+    moe_layers: int = 0  # layers routed by the balanced assumption
+    seconds: float = 0.0  # how long planning this rank took
+    ac_peaks: dict[str, int] = field(default_factory=dict)  # peak per activation-checkpoint mode
+
+
+class PlannedStep(TrainStep):
+    """TrainStep with the two data-dependent values supplied — every label counts as a token, the
+    MoE load is balanced (its all-reduce still issued, so it is counted) — and gradient
+    accumulation over more than three microbatches run as three: the first, one that stands for
+    every middle one (its collectives counted that many times) and the last (they differ in what
+    they reduce), since identical microbatches reach the same peak."""
+
+    tracker: StepTracker
+
+    def count_tokens(self, microbatches: Batch) -> tuple[torch.Tensor, float]:
+        local = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.loss_group is not None:
+            torch.distributed.all_reduce(local.clone(), group=self.loss_group)
+        count = sum(y.numel() for _, y in microbatches)
+        return local, float(count * self.dims.dp * self.dims.cp)
+
+    def balance_experts(self) -> dict[str, list[int]]:
+        if self.moe_layers and self.loss_group is not None:
+            counts = torch.stack([m.tokens_per_expert for _, m in self.moe_layers]).double()
+            torch.distributed.all_reduce(counts, group=self.loss_group)
+        return {}
+
+    def _forward_backward(self, microbatches: Batch, scale: float) -> torch.Tensor:
+        middle = len(microbatches) - 2
+        if middle <= 1:
+            return super()._forward_backward(microbatches, scale)
+        loss = self._microbatch(*microbatches[0], scale, last=False)
+        before = dict(self.tracker.comm_bytes), dict(self.tracker.comm_calls)
+        loss = loss + self._microbatch(*microbatches[1], scale, last=False)
+        for counts, old in zip((self.tracker.comm_bytes, self.tracker.comm_calls), before, strict=True):
+            for key in list(counts):  # one middle microbatch measured: counted for all of them
+                counts[key] = old.get(key, 0) + (counts[key] - old.get(key, 0)) * middle
+        return loss + self._microbatch(*microbatches[-1], scale, last=True)
+
+
+def allocate_fake(module: nn.Module) -> None:
+    """module.to_empty("cpu") inside FakeTensorMode. DTensor parameters (FSDP, TP) go through
+    to_empty, which FSDP supports. Plain meta parameters cannot be filled in place with fake tensors
+    (the tensor types differ, and fake tensors refuse swap_tensors), so they are replaced by fake
+    parameters of their shapes, shared where the meta ones were (tied weights), and so are the
+    buffers; DDP collects its parameters at the first forward, after this."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        to_empty_keeping_ties(module, "cpu")
+        return
+    fakes: dict[int, torch.Tensor] = {}
+    for mod in module.modules():
+        for table, wrap in ((mod._parameters, True), (mod._buffers, False)):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                if id(t) not in fakes:
+                    empty = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                    fakes[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if wrap else empty
+                table[name] = fakes[id(t)]
+
+
+def _probe_stage(spec: ModelSpec, args: Any, dims: Any, options: ParallelOptions) -> nn.Module:
+    """A first stage of the embedding and block 0, parallelized like every stage (on meta, outside
+    fake mode: FSDP cannot be applied inside it): what it emits is what flows between stages."""
+    with torch.device("meta"):
+        whole = spec.model_cls(args)
+    probe = spec.pipeline_fn(whole, [0], True, False)
+    spec.parallelize_fn(probe, dims, options)
+    return probe
+
+
+def _stage_shapes(probe: nn.Module, built: ModelParts, rows: int, seq: int):
+    """Static example inputs/outputs (and gradients) per pipeline stage, in fake mode: the probe's
+    output between stages, the last stage's own forward for its output."""
+    allocate_fake(probe)
+    probe.init_buffers("cpu")
+    balance_routing([probe])
+    tokens = torch.zeros(rows, seq, dtype=torch.long)
+    with torch.no_grad():
+        hidden = probe(tokens)
+    hidden = torch.empty_like(local_tensor(hidden))
+    sent = torch.empty_like(hidden).requires_grad_()  # an output that gets a gradient back
+    parts = dict(zip(built.stage_ids, built.parts, strict=True))
+    last = built.num_stages - 1
+
+    def shapes(i: int) -> dict[str, tuple[torch.Tensor | None, ...]]:
+        inputs = (tokens,) if i == 0 else (sent,)
+        if i != last:
+            outputs, output_grads = (sent,), (hidden,)
+        else:  # the loss is taken on the last stage: no gradient comes into its output
+            with torch.no_grad():
+                outputs, output_grads = (parts[i](*inputs),), (None,)
+        return {"input_args": inputs, "output_args": outputs,
+                "input_grads": (None,) if i == 0 else (hidden,), "output_grads": output_grads}
+
+    return shapes
+
+
+def _microbatches(cfg: JobConfig, dims: Any, global_batch: int, vocab: int) -> Batch:
+    """This rank's microbatches of a step, as fake token tensors of the real shapes."""
+    t = cfg.training
+    n = global_batch // (t.local_batch_size * dims.dp)
+    return [(torch.randint(0, vocab, (t.local_batch_size, t.seq_len)),
+             torch.randint(0, vocab, (t.local_batch_size, t.seq_len))) for _ in range(n)]
+
+
+def plan_rank(cfg: JobConfig, spec: ModelSpec, args: Any, options: ParallelOptions, world_size: int,
+              rank: int, device_type: str, with_optimizer: bool = True) -> RankPlan:
+    """Build rank `rank` of `world_size` as the trainer would for `device_type` and measure two fake
+    steps (without the optimizer: one forward/backward, for another activation-checkpoint mode);
+    raises the trainer's KilnError for a layout it would refuse."""
+    start = time.perf_counter()
+    dims, global_batch = build_layout(cfg, spec, args, world_size, options, device_type)
+    build_options = dataclasses.replace(options, device_type="cpu")  # the fake tensors live on cpu
+    with fake_world(world_size, rank):
+        dims.build_mesh("cpu")
+        with ddp_stand_in():
+            built = build_model_parts(spec, args, dims, build_options)
+            probe = _probe_stage(spec, args, dims, build_options) if dims.pp > 1 else None
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake:
+            shapes = (_stage_shapes(probe, built, options.pp_microbatch_size, cfg.training.seq_len // dims.cp)
+                      if probe is not None else None)
+            tracker = StepTracker(fake, mesh_group_names(dims))
+            with tracker:
+                plan = _run_steps(cfg, args, dims, options, built, global_batch, tracker, shapes,
+                                  with_optimizer)
+        coordinates = (dict(zip(dims.world_mesh.mesh_dim_names, dims.world_mesh.get_coordinate(),
+                                strict=True)) if dims.world_mesh is not None else {})
+        dims.release()
+    plan.rank, plan.coordinates, plan.seconds = rank, coordinates, time.perf_counter() - start
+    return plan
+
+
+def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, built: ModelParts,
+               global_batch: int, tracker: StepTracker, shapes: Any, with_optimizer: bool) -> RankPlan:
+    """Allocate, then two steps: the first makes the optimizer state, the second is measured (or,
+    without the optimizer, one step of forward and backward)."""
+    parts = built.parts
+    tracker.category = "parameters"
+    for part in parts:
+        allocate_fake(part)
+    tracker.category = "buffers"
+    for part in parts:
+        part.init_buffers("cpu")
+    tracker.category = "activations and temporaries"
+    moe = balance_routing(parts)
+    o, s = cfg.optimizer, cfg.lr_scheduler
+    optimizers = [build_optimizer(part, o.name, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay,
+                                  o.implementation) for part in parts] if with_optimizer else []
+    schedulers = [build_lr_scheduler(opt, warmup_steps=s.warmup_steps, total_steps=cfg.training.steps,
+                                     decay_ratio=s.decay_ratio, decay_type=s.decay_type,
+                                     min_lr_factor=s.min_lr_factor) for opt in optimizers]
+    grads: dict[str, int] = {}
+    _watch_optimizers(optimizers, parts, tracker, grads)
+    tracker.gradient_storages = lambda: [local_tensor(p.grad).untyped_storage() for part in parts
+                                         for p in part.parameters() if p.grad is not None]
+    step = PlannedStep(parts, optimizers, schedulers, StepSetup(
+        dims, dataclasses.replace(options, device_type="cpu"), torch.device("cpu"), cfg.training.max_norm,
+        global_batch, built.num_stages, tuple(built.stage_ids), tuple(tuple(n) for n in built.tied_names)),
+        stage_shapes=shapes)
+    step.tracker = tracker
+    batch = _microbatches(cfg, dims, global_batch, args.vocab_size)
+    for _ in range(2 if with_optimizer else 1):
+        tracker.reset_peak()
+        tracker.comm_bytes.clear()
+        tracker.comm_calls.clear()
+        step(batch)
+    tracker.finish()
+    sizes = state_bytes(parts, optimizers)
+    communication: dict[str, dict[str, int]] = {}
+    calls: dict[str, dict[str, int]] = {}
+    for (dim, kind), nbytes in sorted(tracker.comm_bytes.items()):
+        communication.setdefault(dim, {})[kind] = nbytes
+        calls.setdefault(dim, {})[kind] = tracker.comm_calls[(dim, kind)]
+    bubble = (schedule_bubble(step.pipeline.schedule, built.num_stages).fraction
+              if step.pipeline is not None else None)
+    buffers = sum(local_tensor(b).untyped_storage().nbytes() for part in parts for b in part.buffers())
+    return RankPlan(rank=0, coordinates={}, stages=list(built.stage_ids), parameters=sizes["parameters"],
+                    gradients=grads, optimizer=sizes["optimizer"], buffers=buffers, peak=tracker.peak,
+                    peak_breakdown=dict(tracker.peak_by_category),
+                    optimizer_step_peak=tracker.phase_peak.get("optimizer step temporaries", 0),
+                    communication=communication, calls=calls, bubble=bubble, moe_layers=moe)
+
+
+def _watch_optimizers(optimizers: list[torch.optim.Optimizer], parts: list[nn.Module], tracker: StepTracker,
+                      grads: dict[str, int]) -> None:
+    """Label what optimizer.step makes: its state as "optimizer state", the rest as its temporaries;
+    record the gradient bytes it sees."""
+    def before(opt: torch.optim.Optimizer, *_: Any) -> None:
+        grads.clear()
+        grads.update(state_bytes(parts, [])["gradients"])
+        tracker.category = "optimizer step temporaries"
+
+    def after(opt: torch.optim.Optimizer, *_: Any) -> None:
+        for state in opt.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    tracker.relabel(value, "optimizer state")
+        tracker.category = "activations and temporaries"
+
+    for opt in optimizers:
+        opt.register_step_pre_hook(before)
+        opt.register_step_post_hook(after)

@@ -1,0 +1,109 @@
+"""A plan as a table a person reads at a glance (one column per planned rank), or as JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from planning.plan import AC_MODES, Plan
+from planning.rank_plan import RankPlan
+
+
+def gib(nbytes: float) -> str:
+    """Bytes in the unit that reads best: GiB from 1 GiB up, else MiB (KiB for tiny amounts)."""
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:,.2f} GiB"
+    if nbytes >= 2**20:
+        return f"{nbytes / 2**20:,.1f} MiB"
+    return f"{nbytes / 2**10:,.1f} KiB"
+
+
+def _by_dtype(sizes: dict[str, int]) -> str:
+    return " + ".join(f"{gib(n)} {dtype}" for dtype, n in sorted(sizes.items())) or "0"
+
+
+def _rank_title(rank: RankPlan) -> str:
+    where = ", ".join(f"{k} {v}" for k, v in rank.coordinates.items() if k in ("pp", "ep"))
+    stages = f"stage{'s' if len(rank.stages) > 1 else ''} {'+'.join(map(str, rank.stages))}"
+    return f"rank {rank.rank}" + (f" ({stages}{', ' + where if where else ''})" if rank.bubble is not None
+                                  else "")
+
+
+def _rows(plan: Plan) -> list[tuple[str, list[str]]]:
+    """(label, one cell per rank) for the memory part of the table."""
+    ranks = plan.ranks
+    rows = [
+        ("parameters", [_by_dtype(r.parameters) for r in ranks]),
+        ("gradients", [_by_dtype(r.gradients) for r in ranks]),
+        ("optimizer state", [_by_dtype(r.optimizer) for r in ranks]),
+        ("buffers", [gib(r.buffers) for r in ranks]),
+        (f"peak in a step (AC {plan.ac_mode})", [gib(r.peak) for r in ranks]),
+    ]
+    labels = sorted({k for r in ranks for k in r.peak_breakdown}, key=lambda k: -max(
+        r.peak_breakdown.get(k, 0) for r in ranks))
+    rows += [(f"  at the peak: {label}", [gib(r.peak_breakdown.get(label, 0)) for r in ranks])
+             for label in labels]
+    if all(r.ac_peaks for r in ranks):
+        rows.append(("peak with AC " + " / ".join(AC_MODES),
+                     [" / ".join(gib(r.ac_peaks[m]) for m in AC_MODES) for r in ranks]))
+    verdicts = []
+    for r in ranks:
+        fits, spare = plan.verdict(r)
+        verdicts.append(f"fits, {spare:,.1f} GiB to spare" if fits else
+                        f"DOES NOT FIT: {-spare:,.1f} GiB short")
+    rows.append((f"on {plan.device.name} (keeping {plan.device.reserve_gib:g} GiB free)", verdicts))
+    return rows
+
+
+def _comm_rows(plan: Plan) -> list[tuple[str, list[str]]]:
+    keys = sorted({(dim, kind) for r in plan.ranks for dim, kinds in r.communication.items()
+                   for kind in kinds})
+    rows = []
+    for dim, kind in keys:
+        cells = []
+        for r in plan.ranks:
+            nbytes = r.communication.get(dim, {}).get(kind)
+            calls = r.calls.get(dim, {}).get(kind, 0)
+            cells.append(f"{gib(nbytes)} in {calls:,}" if nbytes is not None else "-")
+        rows.append((f"  {dim}: {kind}", cells))
+    return rows or [("  (none: one process)", ["-" for _ in plan.ranks])]
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as aligned text."""
+    header = [
+        f"Plan · {plan.model} · {plan.num_params / 1e9:,.2f}B parameters · world {plan.world_size}",
+        f"layout  {plan.layout}",
+        f"batch   global {plan.global_batch} × seq {plan.seq_len} = {plan.tokens_per_step:,} tokens/step; "
+        f"{plan.microbatches} microbatch(es) per rank; numerics {plan.numerics}",
+    ]
+    rows = [("", [_rank_title(r) for r in plan.ranks])] + _rows(plan)
+    rows += [("communication per step (bytes in calls)", ["" for _ in plan.ranks])] + _comm_rows(plan)
+    if any(r.bubble is not None for r in plan.ranks):
+        rows.append(("pipeline bubble (idle share of the step)", [f"{r.bubble:.1%}" for r in plan.ranks]))
+    width = max(len(label) for label, _ in rows) + 2
+    cols = [max(len(row[1][i]) for row in rows) + 2 for i in range(len(plan.ranks))]
+    table = [(label.ljust(width) + "".join(c.ljust(w) for c, w in zip(cells, cols, strict=True))).rstrip()
+             for label, cells in rows]
+    lines = header + [""] + table
+    moe = max(r.moe_layers for r in plan.ranks)
+    lines += ["", f"compute  {plan.flops_per_token / 1e9:,.2f} GFLOP/token; at {plan.mfu:.0%} MFU of "
+              f"{plan.device.peak_tflops:,.4g} TFLOP/s a step takes ≈ {plan.step_seconds:,.2f} s "
+              f"→ {plan.tokens_per_second_per_device:,.0f} tokens/s/device"
+              + (f" (pipeline bubble {plan.bubble:.1%} included)" if plan.bubble else "")]
+    if moe:
+        lines.append(f"MoE      {moe} layer(s) planned with perfectly balanced routing; a real step's "
+                     "busiest expert takes more (moe_imbalance in metrics.jsonl)")
+    lines.append(f"planned in {sum(r.seconds for r in plan.ranks):,.1f} s on fake tensors")
+    return "\n".join(lines)
+
+
+def plan_json(plan: Plan) -> str:
+    """Everything in the plan, the estimates included, as JSON."""
+    data = dataclasses.asdict(plan)
+    data.update(tokens_per_step=plan.tokens_per_step, bubble=plan.bubble, step_seconds=plan.step_seconds,
+                tokens_per_second_per_device=plan.tokens_per_second_per_device)
+    for rank, r in zip(data["ranks"], plan.ranks, strict=True):
+        fits, spare = plan.verdict(r)
+        rank.update(fits=fits, spare_gib=round(spare, 3))
+    return json.dumps(data, indent=1)
