@@ -151,7 +151,8 @@ class Trainer:
     def _build_optimizers(self) -> None:
         """One optimizer and LR schedule per model part (pipeline stages keep separate state dicts)."""
         o, s, steps = self.cfg.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps
-        self.optimizers = [build_optimizer(part, o.name, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay,
+        self.optimizers = [build_optimizer(part.named_parameters(), o.name, o.lr, (o.beta1, o.beta2), o.eps,
+                                           o.weight_decay,
                                            o.implementation) for part in self.model_parts]
         self.schedulers = [build_lr_scheduler(
             opt, warmup_steps=s.warmup_steps, total_steps=steps, decay_ratio=s.decay_ratio,

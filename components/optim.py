@@ -2,25 +2,27 @@
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
-from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from components.errors import KilnError
 
 
-def build_optimizer(model: nn.Module, name: str, lr: float, betas: tuple[float, float], eps: float,
-                    weight_decay: float, implementation: str) -> torch.optim.Optimizer:
-    """The optimizer over model's parameters; implementation auto = fused on GPU, foreach on CPU."""
+def build_optimizer(named_params: Iterable[tuple[str, torch.Tensor]], name: str, lr: float,
+                    betas: tuple[float, float], eps: float, weight_decay: float, implementation: str,
+                    device_type: str | None = None) -> torch.optim.Optimizer:
+    """The optimizer over the (name, parameter) pairs that need gradients; implementation auto =
+    fused on GPU, foreach on CPU (device_type: where the parameters live, default: the first's)."""
     classes = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
     if name not in classes:
         raise KilnError(f"unknown optimizer.name {name!r}; choose from {', '.join(classes)}")
-    params = [p for p in model.parameters() if p.requires_grad]
-    on_gpu = bool(params) and params[0].device.type == "cuda"
+    params = [p for _, p in named_params if p.requires_grad]
+    if device_type is None:
+        device_type = params[0].device.type if params else "cpu"
     if implementation == "auto":
-        implementation = "fused" if on_gpu else "foreach"
+        implementation = "fused" if device_type == "cuda" else "foreach"
     flags = {
         "fused": {"fused": True, "foreach": False},
         "foreach": {"fused": False, "foreach": True},

@@ -4,6 +4,12 @@ fake tensors, each against a device's memory, with the step time a given peak an
 from __future__ import annotations
 
 import dataclasses
+import logging
+import multiprocessing
+import os
+import time
+import warnings
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +60,7 @@ class Plan:
     mfu: float
     flops_per_token: int
     ranks: list[RankPlan] = field(default_factory=list)
+    seconds: float = 0.0  # wall time of planning
 
     @property
     def tokens_per_step(self) -> int:
@@ -87,9 +94,13 @@ def default_ranks(world_size: int, pp: int) -> list[int]:
 
 
 def make_plan(cfg: JobConfig, world_size: int, device: Device, *, device_type: str = "cuda",
-              ranks: list[int] | None = None, mfu: float = 0.4, ac_modes: bool = True) -> Plan:
+              ranks: list[int] | None = None, mfu: float = 0.4, ac_modes: bool = True,
+              workers: int | None = None) -> Plan:
     """Check the layout (every problem in one KilnError, as the trainer raises it), then plan each
-    rank; with ac_modes, the peak of the other activation-checkpoint modes too."""
+    rank — with ac_modes, in the other activation-checkpoint modes too — `workers` processes at a
+    time (default: one per core)."""
+    workers = workers or os.cpu_count() or 1
+    start = time.perf_counter()
     spec, args = load_model_family(cfg)
     options = ParallelOptions.from_config(cfg, device_type)
     dims, global_batch = build_layout(cfg, spec, args, world_size, options, device_type)
@@ -100,34 +111,51 @@ def make_plan(cfg: JobConfig, world_size: int, device: Device, *, device_type: s
                 global_batch=global_batch, seq_len=t.seq_len, microbatches=microbatches,
                 numerics=_numerics(options, dims.fsdp_enabled), ac_mode=options.ac_mode, device=device,
                 mfu=mfu, flops_per_token=0)
-    for rank in ranks if ranks is not None else default_ranks(world_size, dims.pp):
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in a world of {world_size}")
-        planned = plan_rank(cfg, spec, args, options, world_size, rank, device_type)
-        if ac_modes:
-            planned.ac_peaks = _ac_peaks(cfg, spec, args, options, world_size, rank, device_type, planned)
+    ranks = ranks if ranks is not None else default_ranks(world_size, dims.pp)
+    bad = [r for r in ranks if not 0 <= r < world_size]
+    if bad:
+        raise ValueError(f"rank {bad[0]} is not in a world of {world_size}")
+    # One task per (rank, AC mode); the planned mode's with the optimizer, the others without.
+    modes = [options.ac_mode] + ([m for m in AC_MODES if m != options.ac_mode] if ac_modes else [])
+    tasks = [(cfg, world_size, rank, device_type, mode, mode == options.ac_mode) for rank in ranks
+             for mode in modes]
+    results = dict(zip([(t[2], t[4]) for t in tasks], _run_tasks(tasks, workers), strict=True))
+    for rank in ranks:
+        planned = results[(rank, options.ac_mode)]
+        if ac_modes:  # other modes: their forward/backward peak, plus the state a steady step holds
+            state = sum(planned.optimizer.values())
+            planned.ac_peaks = {m: planned.peak if m == options.ac_mode else
+                                max(results[(rank, m)].peak + state, planned.optimizer_step_peak)
+                                for m in AC_MODES}
         plan.ranks.append(planned)
     num_stages = max(len(r.stages) for r in plan.ranks) * dims.pp
     plan.layout = dims.describe(options, num_stages, microbatches if dims.pp > 1 else 0)
     plan.num_params = count_parameters(spec, args)
     plan.flops_per_token = spec.flops_per_token_fn(args, plan.num_params, t.seq_len)
+    plan.seconds = time.perf_counter() - start
     return plan
 
 
-def _ac_peaks(cfg: JobConfig, spec: ModelSpec, args: Any, options: ParallelOptions, world_size: int,
-              rank: int, device_type: str, planned: RankPlan) -> dict[str, int]:
-    """The step's peak with every activation-checkpoint mode: the planned mode's own; for the others
-    one forward and backward in that mode, plus the optimizer state a steady step holds during it,
-    or the optimizer step's own peak (which no mode changes) if that is higher."""
-    out = {}
-    for mode in AC_MODES:
-        if mode == options.ac_mode:
-            out[mode] = planned.peak
-            continue
-        other = plan_rank(cfg, spec, args, dataclasses.replace(options, ac_mode=mode), world_size, rank,
-                          device_type, with_optimizer=False)
-        out[mode] = max(other.peak + sum(planned.optimizer.values()), planned.optimizer_step_peak)
-    return out
+def _plan_task(task: tuple) -> RankPlan:
+    """One rank in one activation-checkpoint mode, in a process of its own."""
+    cfg, world_size, rank, device_type, mode, with_optimizer = task
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)  # its notes about fake groups
+    warnings.filterwarnings("ignore")
+    spec, args = load_model_family(cfg)
+    options = dataclasses.replace(ParallelOptions.from_config(cfg, device_type), ac_mode=mode)
+    return plan_rank(cfg, spec, args, options, world_size, rank, device_type, with_optimizer)
+
+
+def _run_tasks(tasks: list[tuple], workers: int) -> list[RankPlan]:
+    """The tasks side by side, `workers` at once, each in a fresh process: torch keeps process groups
+    and DTensor's sharding caches per process, so a second fake world in one process finds stale
+    groups of the first ("Could not resolve the process group")."""
+    if len(tasks) == 1:
+        return [_plan_task(tasks[0])]
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max(1, min(workers, len(tasks))), mp_context=context,
+                             max_tasks_per_child=1) as pool:
+        return list(pool.map(_plan_task, tasks))
 
 
 def _numerics(options: ParallelOptions, fsdp: bool) -> str:

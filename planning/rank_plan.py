@@ -57,6 +57,47 @@ class RankPlan:
     ac_peaks: dict[str, int] = field(default_factory=dict)  # peak per activation-checkpoint mode
 
 
+class LocalOptimizer:
+    """The run's optimizer (built by components.optim.build_optimizer) over the local pieces of the
+    parameters: the same state and temporaries as over the DTensors, without DTensor's sharding
+    propagation for every foreach/fused kernel (most of a fake step's time). The gradients are
+    handed to the local pieces just before each step."""
+
+    def __init__(self, part: nn.Module, build: Any) -> None:
+        self.pairs = [(p, local_tensor(p).detach().requires_grad_(p.requires_grad))
+                      for p in part.parameters()]
+        self.inner = build([(str(i), local) for i, (_, local) in enumerate(self.pairs)])
+
+    @property
+    def state(self) -> dict:
+        return self.inner.state
+
+    def register_step_pre_hook(self, hook: Any) -> None:
+        self.inner.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Any) -> None:
+        self.inner.register_step_post_hook(hook)
+
+    def step(self) -> None:
+        for p, local in self.pairs:
+            local.grad = local_tensor(p.grad) if p.grad is not None else None
+        self.inner.step()
+        for _, local in self.pairs:
+            local.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p, _ in self.pairs:
+            p.grad = None
+
+    def make_state(self) -> None:
+        """One step on zero gradients: the state exists, as after a run's first step."""
+        for _, local in self.pairs:
+            local.grad = torch.zeros_like(local) if local.requires_grad else None
+        self.inner.step()
+        for _, local in self.pairs:
+            local.grad = None
+
+
 class PlannedStep(TrainStep):
     """TrainStep with the two data-dependent values supplied — every label counts as a token, the
     MoE load is balanced (its all-reduce still issued, so it is counted) — and gradient
@@ -180,7 +221,7 @@ def plan_rank(cfg: JobConfig, spec: ModelSpec, args: Any, options: ParallelOptio
             tracker = StepTracker(fake, mesh_group_names(dims))
             with tracker:
                 plan = _run_steps(cfg, args, dims, options, built, global_batch, tracker, shapes,
-                                  with_optimizer)
+                                  with_optimizer, device_type)
         coordinates = (dict(zip(dims.world_mesh.mesh_dim_names, dims.world_mesh.get_coordinate(),
                                 strict=True)) if dims.world_mesh is not None else {})
         dims.release()
@@ -189,9 +230,10 @@ def plan_rank(cfg: JobConfig, spec: ModelSpec, args: Any, options: ParallelOptio
 
 
 def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, built: ModelParts,
-               global_batch: int, tracker: StepTracker, shapes: Any, with_optimizer: bool) -> RankPlan:
-    """Allocate, then two steps: the first makes the optimizer state, the second is measured (or,
-    without the optimizer, one step of forward and backward)."""
+               global_batch: int, tracker: StepTracker, shapes: Any, with_optimizer: bool,
+               device_type: str) -> RankPlan:
+    """Allocate, make the optimizer state as a first step would, then measure one step (without the
+    optimizer: its forward and backward)."""
     parts = built.parts
     tracker.category = "parameters"
     for part in parts:
@@ -202,9 +244,10 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
     tracker.category = "activations and temporaries"
     moe = balance_routing(parts)
     o, s = cfg.optimizer, cfg.lr_scheduler
-    optimizers = [build_optimizer(part, o.name, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay,
-                                  o.implementation) for part in parts] if with_optimizer else []
-    schedulers = [build_lr_scheduler(opt, warmup_steps=s.warmup_steps, total_steps=cfg.training.steps,
+    optimizers = [LocalOptimizer(part, lambda named: build_optimizer(
+        named, o.name, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, o.implementation, device_type))
+        for part in parts] if with_optimizer else []
+    schedulers = [build_lr_scheduler(opt.inner, warmup_steps=s.warmup_steps, total_steps=cfg.training.steps,
                                      decay_ratio=s.decay_ratio, decay_type=s.decay_type,
                                      min_lr_factor=s.min_lr_factor) for opt in optimizers]
     grads: dict[str, int] = {}
@@ -216,12 +259,10 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
         global_batch, built.num_stages, tuple(built.stage_ids), tuple(tuple(n) for n in built.tied_names)),
         stage_shapes=shapes)
     step.tracker = tracker
-    batch = _microbatches(cfg, dims, global_batch, args.vocab_size)
-    for _ in range(2 if with_optimizer else 1):
-        tracker.reset_peak()
-        tracker.comm_bytes.clear()
-        tracker.comm_calls.clear()
-        step(batch)
+    for opt in optimizers:
+        opt.make_state()
+    tracker.reset_peak()
+    step(_microbatches(cfg, dims, global_batch, args.vocab_size))
     tracker.finish()
     sizes = state_bytes(parts, optimizers)
     communication: dict[str, dict[str, int]] = {}

@@ -94,7 +94,7 @@ def format_plan(plan: Plan) -> str:
     if moe:
         lines.append(f"MoE      {moe} layer(s) planned with perfectly balanced routing; a real step's "
                      "busiest expert takes more (moe_imbalance in metrics.jsonl)")
-    lines.append(f"planned in {sum(r.seconds for r in plan.ranks):,.1f} s on fake tensors")
+    lines.append(f"planned in {plan.seconds:,.1f} s on fake tensors")
     return "\n".join(lines)
 
 

@@ -146,10 +146,12 @@ class StepTracker(TorchDispatchMode):
         self.peak_by_category = {k: v for k, v in breakdown.items() if v}
 
     def reset_peak(self) -> None:
-        """Start a new peak from what is alive now."""
+        """Start a new peak from what is alive now, and new collective counts."""
         self._snapshot_peak()
         self.peak = 0
         self.phase_peak.clear()
+        self.comm_bytes.clear()
+        self.comm_calls.clear()
         self._update_peak()
 
     def finish(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import sys
 import warnings
@@ -40,7 +41,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                     help=f"a GPU to plan for ({', '.join(DEVICES)}) or cpu; default h100")
     ap.add_argument("--device-memory", help="memory per device instead of the named one's, e.g. 80GiB")
     ap.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device instead of the named one's")
-    ap.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed for the step time")
+    ap.add_argument("--mfu", type=float, default=0.4,
+                    help="model FLOPs utilisation assumed for the step time")
     ap.add_argument("--reserve-gib", type=float, default=2.0,
                     help="memory kept free for what is not a tensor (CUDA context, NCCL, fragmentation)")
     ap.add_argument("--no-ac-modes", action="store_true",
@@ -80,6 +82,7 @@ def choose_device(args: argparse.Namespace) -> tuple[Device, str]:
 def main(argv: list[str]) -> int:
     args, rest = parse(argv)
     warnings.filterwarnings("ignore")  # torch's notes about fake process groups and DTensor on CPU
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     try:
         device, device_type = choose_device(args)

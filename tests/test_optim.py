@@ -98,15 +98,15 @@ def test_schedule_errors() -> None:
 
 def test_build_optimizer() -> None:
     model = nn.Linear(4, 4)
-    opt = build_optimizer(model, "AdamW", 1e-3, (0.9, 0.95), 1e-8, 0.1, "auto")
+    opt = build_optimizer(model.named_parameters(), "AdamW", 1e-3, (0.9, 0.95), 1e-8, 0.1, "auto")
     assert isinstance(opt, torch.optim.AdamW)
     group = opt.param_groups[0]
     assert group["foreach"] is True and not group["fused"]
     assert group["lr"] == 1e-3 and group["betas"] == (0.9, 0.95) and group["weight_decay"] == 0.1
     assert len(group["params"]) == 2
-    adam = build_optimizer(model, "Adam", 1e-3, (0.9, 0.95), 1e-8, 0.0, "for-loop")
+    adam = build_optimizer(model.named_parameters(), "Adam", 1e-3, (0.9, 0.95), 1e-8, 0.0, "for-loop")
     assert type(adam) is torch.optim.Adam and not adam.param_groups[0]["foreach"]
     with pytest.raises(KilnError, match="SGD"):
-        build_optimizer(model, "SGD", 1e-3, (0.9, 0.95), 1e-8, 0.1, "auto")
+        build_optimizer(model.named_parameters(), "SGD", 1e-3, (0.9, 0.95), 1e-8, 0.1, "auto")
     with pytest.raises(KilnError, match="turbo"):
-        build_optimizer(model, "AdamW", 1e-3, (0.9, 0.95), 1e-8, 0.1, "turbo")
+        build_optimizer(model.named_parameters(), "AdamW", 1e-3, (0.9, 0.95), 1e-8, 0.1, "turbo")
