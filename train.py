@@ -68,15 +68,16 @@ class Trainer:
         self.cfg, self.info = cfg, info
         set_seed(cfg.training.seed, cfg.training.deterministic)
         self.dump = Path(cfg.job.dump_folder)
-        # Started first: on CPU it records every tensor allocation from before the model exists.
-        self.memory_report = (MemoryReport(info.device, self.dump / f"memory_rank{info.rank}.json")
-                              if cfg.profiling.memory_report else None)
         self.spec, self.model_args = load_model_family(cfg)
         self.tokenizer = self._build_tokenizer()
         self.options = ParallelOptions.from_config(cfg, info.device.type)
         self.dims = self._build_layout()
         self.data = build_run_data(cfg, self.tokenizer, self.model_args.vocab_size, self.global_batch,
                                    self._data_ranks())
+        # Started before the model exists: on CPU it records every tensor allocation from here on
+        # (the corpus, host memory on a GPU machine, is left out).
+        self.memory_report = (MemoryReport(info.device, self.dump / f"memory_rank{info.rank}.json")
+                              if cfg.profiling.memory_report else None)
         self._build_model()
         self._build_optimizers()
         self.step = TrainStep(self.model_parts, self.optimizers, self.schedulers, StepSetup(

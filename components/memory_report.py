@@ -5,7 +5,7 @@ of its parameters, gradients (as the optimizer sees them) and optimizer state by
 from the tensors' storages (FSDP padding included), and the allocator's peak during step 2 — on
 CUDA torch.cuda.max_memory_allocated, on CPU the c10 CPU allocator's allocation and free events
 recorded by torch.profiler from before the model exists (every tensor byte, none of the
-interpreter's), summed into live bytes.
+interpreter's; the corpus, read before, is left out as host memory), summed into live bytes.
 """
 
 from __future__ import annotations

@@ -79,8 +79,15 @@ class LocalOptimizer:
         self.inner.register_step_post_hook(hook)
 
     def step(self) -> None:
+        from torch.distributed.tensor import DTensor
+
         for p, local in self.pairs:
-            local.grad = local_tensor(p.grad) if p.grad is not None else None
+            grad = p.grad
+            if isinstance(grad, DTensor) and grad.placements != p.placements:
+                # e.g. a vocabulary-sharded embedding's gradient, which comes back whole: DTensor
+                # redistributes it to the parameter's layout inside the optimizer's kernels
+                grad = grad.redistribute(p.device_mesh, p.placements)
+            local.grad = local_tensor(grad) if grad is not None else None
         self.inner.step()
         for _, local in self.pairs:
             local.grad = None

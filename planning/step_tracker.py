@@ -25,6 +25,7 @@ from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -70,6 +71,8 @@ class StepTracker(TorchDispatchMode):
         self._peak_pending = False
         self._sizes: dict[int, tuple[str, int, weakref.ref]] = {}  # id(storage) → (category, bytes, ref)
         self._original_resize: Callable | None = None
+        self._original_propagate: Callable | None = None
+        self._propagating = 0  # inside DTensor's shape propagation (not the rank's memory)
 
     # ----------------------------------------------------------------- memory
 
@@ -170,10 +173,24 @@ class StepTracker(TorchDispatchMode):
             return out
 
         torch.UntypedStorage.resize_ = resize_
+        # DTensor derives output shapes by running each op on global-shape fake tensors, in the
+        # active fake mode when there is one (ours): those tensors are not the rank's memory.
+        self._original_propagate = propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+        @wraps(propagate)
+        def propagate_outside(prop: ShardingPropagator, *args: Any, **kwargs: Any) -> Any:
+            self._propagating += 1
+            try:
+                return propagate(prop, *args, **kwargs)
+            finally:
+                self._propagating -= 1
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate_outside
         return super().__enter__()
 
     def __exit__(self, *args: Any) -> None:
         torch.UntypedStorage.resize_ = self._original_resize
+        ShardingPropagator._propagate_tensor_meta_non_cached = self._original_propagate
         super().__exit__(*args)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
@@ -184,8 +201,8 @@ class StepTracker(TorchDispatchMode):
             out = args[0]  # eager waits in place; the meta kernel would return a new tensor
         else:
             out = func(*args, **kwargs)
-        # DTensor's sharding propagation runs ops in a fake mode of its own: not the rank's memory.
-        if active_fake_mode() is not self.fake_mode:
+        # DTensor's shape propagation (in a fake mode of its own, or in ours): not the rank's memory.
+        if self._propagating or active_fake_mode() is not self.fake_mode:
             return out
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):

@@ -12,6 +12,9 @@ LLAMA3_FLAVORS: dict[str, LlamaArgs] = {
     "debug": LlamaArgs(dim=256, n_layers=6, n_heads=16, vocab_size=4096, rope_theta=500000, max_seq_len=8192),
     # A still smaller shape for fast multi-process tests.
     "tiny": LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, multiple_of=64),
+    # A mid-size shape (GPT-2 small's width and depth, 125M parameters) for checks at a real size.
+    "125M": LlamaArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=32768, rope_theta=500000,
+                      max_seq_len=8192),
     "1B": LlamaArgs(
         dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim_multiplier=1.5,
         multiple_of=256, rope_theta=500000, rope_scaling=_LLAMA32_SCALING, max_seq_len=131072,
