@@ -9,8 +9,8 @@ import multiprocessing
 import os
 import time
 import warnings
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -146,6 +146,17 @@ def _plan_task(task: tuple) -> RankPlan:
     return plan_rank(cfg, spec, args, options, world_size, rank, device_type, with_optimizer)
 
 
+def _child(task: tuple, conn: Connection) -> None:
+    """Plan one task, send the result (or the error) back, and leave at once: torch can abort a
+    process that exits with DeviceMeshes and DTensors still alive, after the result is sent."""
+    try:
+        conn.send(("ok", _plan_task(task)))
+    except BaseException as e:  # the parent re-raises it
+        conn.send(("error", e))
+    conn.close()
+    os._exit(0)
+
+
 def _run_tasks(tasks: list[tuple], workers: int) -> list[RankPlan]:
     """The tasks side by side, `workers` at once, each in a fresh process: torch keeps process groups
     and DTensor's sharding caches per process, so a second fake world in one process finds stale
@@ -153,9 +164,28 @@ def _run_tasks(tasks: list[tuple], workers: int) -> list[RankPlan]:
     if len(tasks) == 1:
         return [_plan_task(tasks[0])]
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max(1, min(workers, len(tasks))), mp_context=context,
-                             max_tasks_per_child=1) as pool:
-        return list(pool.map(_plan_task, tasks))
+    results: list[RankPlan | None] = [None] * len(tasks)
+    pending = list(enumerate(tasks))
+    running: list[tuple[int, object, Connection]] = []
+    while pending or running:
+        while pending and len(running) < max(1, workers):
+            index, task = pending.pop(0)
+            parent, child = context.Pipe(duplex=False)
+            process = context.Process(target=_child, args=(task, child), daemon=True)
+            process.start()
+            child.close()
+            running.append((index, process, parent))
+        index, process, parent = running.pop(0)
+        try:
+            status, value = parent.recv()
+        except EOFError:
+            raise RuntimeError(f"planning rank {tasks[index][2]} died (exit code {process.exitcode})"
+                               ) from None
+        process.join()
+        if status == "error":
+            raise value
+        results[index] = value
+    return results
 
 
 def _numerics(options: ParallelOptions, fsdp: bool) -> str:
