@@ -78,9 +78,13 @@ def parallelize_moe(model: nn.Module, dims: ParallelDims, options: ParallelOptio
 
     def shard_experts(policy: MixedPrecisionPolicy) -> None:
         # Expert weights: FSDP over what EP leaves of dp_shard × cp (see ExpertParallelDispatch for
-        # how their gradients still average over all of dp × cp).
+        # how their gradients still average over all of dp × cp). FSDP shards dim 0, the experts:
+        # with fewer local experts than FSDP ranks (Mixtral's 8 over EP 8 × 8) every rank would keep
+        # a whole padded expert, so then the experts' rows (dim 1) are sharded instead.
+        local_experts = moes[0].experts.w1.shape[0] // dims.ep if moes else 0
+        placement = (lambda _: Shard(1)) if local_experts < dims.mesh("dp_shard_mod_ep").size() else None
         for moe in moes:
             fully_shard(moe.experts, mesh=dims.expert_fsdp_mesh(), mp_policy=policy,
-                        reshard_after_forward=dims.pp == 1)
+                        reshard_after_forward=dims.pp == 1, shard_placement_fn=placement)
 
     return finish_parallelize(model, dims, options, shard_experts)

@@ -6,7 +6,7 @@
 - "llama3_tied_4l": the same, tied, for pipeline stages that share the embedding.
 - "llama3_odd": dim 96, 3 heads, 5 layers, a 4098-token vocabulary (seq 60 in tests): uneven FSDP
   shards that need padding (a 256-row feed-forward over 3 ranks), uneven pipeline stages, TP 3.
-- "moe_variant": see below.
+- "moe_variant", "moe_2experts": see below.
 """
 
 import dataclasses
@@ -36,6 +36,11 @@ for _name, _aux in (("moe_variant", 0.01), ("moe_variant_noaux", 0.0)):
         _tiny_moe, n_layers=3, n_dense_layers=1,
         moe=dataclasses.replace(_tiny_moe.moe, score_func="sigmoid", route_norm=True, route_scale=2.0,
                                 aux_loss_coeff=_aux))}))
+
+# "moe_2experts": the tiny MoE with 2 experts, top 1: EP 2 over 4 ranks leaves one local expert for
+# two FSDP ranks, so expert weights are sharded along their rows (models/moe/parallelize.py).
+register_model_spec(dataclasses.replace(_moe, name="moe_2experts", flavors={"tiny": dataclasses.replace(
+    _tiny_moe, moe=dataclasses.replace(_tiny_moe.moe, num_experts=2, top_k=1))}))
 
 # "moe_top9": the tiny MoE choosing 9 of its 8 experts (a bad flavor).
 register_model_spec(dataclasses.replace(_moe, name="moe_top9", flavors={"tiny": dataclasses.replace(
