@@ -16,6 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmark_speed import speed_table
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -265,7 +267,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="threads of a single-process run (FSDP runs use threads / nproc each)")
     ap.add_argument("--tables", default="overhead",
-                    help="comma-separated: overhead (Kiln vs plain loop, FSDP 2 vs 1), parallel "
+                    help="comma-separated: speed (Kiln vs an independent reference loop per layout), "
+                         "overhead (Kiln vs plain loop, FSDP 2 vs 1), parallel "
                          "(FSDP/TP layouts × AC/compile), memory (peak memory per AC mode), pipeline "
                          "(step time per schedule), cp (peak memory of a long sequence per CP degree), "
                          "data (tokenizer and loader tokens/s), init (peak memory of initialising "
@@ -280,6 +283,8 @@ def main() -> None:
     tables = set(a.tables.split(","))
     cache = Path(tempfile.mkdtemp(prefix="kiln-bench-"))
     kiln_tps(1, 1, 2, 1, cache, [])  # tokenize the corpus once, outside the timings
+    if "speed" in tables:
+        speed_table(a.steps, a.warmup, a.repeats, cache)
     if "overhead" in tables:
         overhead_table(a, cache)
     if "parallel" in tables:

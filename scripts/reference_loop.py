@@ -7,7 +7,7 @@ much its machinery costs (scripts/plain_loop.py, which trains Kiln's own model, 
     python scripts/reference_loop.py --tokens data_cache/train-….bin [--batch 4 --seq-len 128]
     torchrun --nproc-per-node 2 scripts/reference_loop.py --tokens … (FSDP2 over the ranks)
 
-Prints one JSON line: the global tokens/s of the timed steps and the peak RSS of rank 0.
+Prints one JSON line: the global tokens/s of the median timed step and the peak RSS of rank 0.
 """
 
 import argparse
@@ -15,6 +15,7 @@ import json
 import math
 import os
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 
 class Block(nn.Module):
@@ -100,6 +102,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--compile", action="store_true", help="torch.compile each block")
+    ap.add_argument("--ac", action="store_true", help="recompute each block in backward (full AC)")
     a = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -107,6 +111,12 @@ def main() -> None:
     rank = dist.get_rank() if world > 1 else 0
     torch.manual_seed(42)
     model = Llama(a.vocab, a.dim, a.layers, a.heads, a.hidden, a.seq_len)
+    for i, block in enumerate(model.blocks):
+        if a.ac:
+            block = checkpoint_wrapper(block)
+        if a.compile:
+            block.compile()  # in place: FSDP below still sees the block module
+        model.blocks[i] = block
     if world > 1:
         from torch.distributed.fsdp import fully_shard
 
@@ -117,14 +127,17 @@ def main() -> None:
     data = batches(a.tokens, a.seq_len, a.batch, rank, world)
     for step in range(1, a.steps + 1):
         if step == a.warmup + 1:
-            t0 = time.perf_counter()
+            t0, step_times = time.perf_counter(), []
         x, y = next(data)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    elapsed = time.perf_counter() - t0
+        if step > a.warmup:
+            step_times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+    elapsed = statistics.median(step_times) * (a.steps - a.warmup)
     if rank == 0:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps({"tps": (a.steps - a.warmup) * a.batch * world * a.seq_len / elapsed,

@@ -101,7 +101,7 @@ def test_build_optimizer() -> None:
     opt = build_optimizer(model.named_parameters(), "AdamW", 1e-3, (0.9, 0.95), 1e-8, 0.1, "auto")
     assert isinstance(opt, torch.optim.AdamW)
     group = opt.param_groups[0]
-    assert group["foreach"] is True and not group["fused"]
+    assert group["fused"] is True and not group["foreach"]  # auto on CPU: the fused kernel
     assert group["lr"] == 1e-3 and group["betas"] == (0.9, 0.95) and group["weight_decay"] == 0.1
     assert len(group["params"]) == 2
     adam = build_optimizer(model.named_parameters(), "Adam", 1e-3, (0.9, 0.95), 1e-8, 0.0, "for-loop")
@@ -110,3 +110,21 @@ def test_build_optimizer() -> None:
         build_optimizer(model.named_parameters(), "SGD", 1e-3, (0.9, 0.95), 1e-8, 0.1, "auto")
     with pytest.raises(KilnError, match="turbo"):
         build_optimizer(model.named_parameters(), "AdamW", 1e-3, (0.9, 0.95), 1e-8, 0.1, "turbo")
+
+
+def test_fused_adamw_matches_foreach_on_cpu() -> None:
+    """auto picks the fused kernel on CPU: it must take the same steps as foreach (float rounding)."""
+    torch.manual_seed(0)
+    models = [nn.Linear(16, 8), nn.Linear(16, 8)]
+    models[1].load_state_dict(models[0].state_dict())
+    start = models[0].weight.detach().clone()
+    opts = [build_optimizer(m.named_parameters(), "AdamW", 1e-2, (0.9, 0.95), 1e-8, 0.1, impl)
+            for m, impl in zip(models, ("fused", "foreach"), strict=True)]
+    x = torch.randn(32, 16)
+    for _ in range(5):
+        for m, opt in zip(models, opts, strict=True):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert (models[0].weight - start).abs().max() > 1e-3  # the steps moved the weights
+    torch.testing.assert_close(models[0].weight, models[1].weight, rtol=1e-6, atol=1e-7)

@@ -1,6 +1,7 @@
 """RMSNorm: scale by the root mean square of the features (no mean subtraction, no bias)."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -13,10 +14,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 so bf16 activations keep their precision here.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
+        # Normalise in float32 so bf16 activations keep their precision here; F.rms_norm is one
+        # fused kernel where the eager formula was five.
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
 
     def reset_parameters(self) -> None:
         """Set the scale to one (the identity at initialisation)."""

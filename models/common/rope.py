@@ -1,4 +1,5 @@
-"""Rotary position embeddings from real cos/sin tables (compiles, unlike complex-number RoPE)."""
+"""Rotary position embeddings: a real cos/sin table (sliceable, indexable, storable like any
+tensor), applied as one complex multiply per tensor (fewer, larger kernels than rotating real halves)."""
 
 import math
 from dataclasses import dataclass
@@ -45,12 +46,11 @@ def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """Rotate x [batch, seq, heads, head_dim] by the table rows for its positions: [seq, head_dim],
     or [batch, seq, head_dim] when rows have their own positions (documents restarting at 0).
 
-    Pairs are interleaved (x[2i], x[2i+1]) as in Meta's Llama checkpoints.
+    Pairs are interleaved (x[2i], x[2i+1]) as in Meta's Llama checkpoints; each pair is a complex
+    number turned by the angle of its frequency (computed in at least float32).
     """
+    work = torch.promote_types(x.dtype, torch.float32)
     half = cache.shape[-1] // 2
-    cos = cache[..., :half].unsqueeze(-2).to(x.dtype)  # [(batch,) seq, 1, head_dim/2]
-    sin = cache[..., half:].unsqueeze(-2).to(x.dtype)
-    x_even, x_odd = x[..., 0::2], x[..., 1::2]
-    out_even = x_even * cos - x_odd * sin
-    out_odd = x_even * sin + x_odd * cos
-    return torch.stack([out_even, out_odd], dim=-1).flatten(-2)
+    turn = torch.complex(cache[..., :half].to(work), cache[..., half:].to(work)).unsqueeze(-2)
+    pairs = torch.view_as_complex(x.to(work).unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * turn).flatten(-2).to(x.dtype)
