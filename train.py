@@ -202,7 +202,7 @@ class Trainer:
 
     def _numerics(self) -> str:
         """The dtypes the layout really computes and reduces in (FSDP casts; elsewhere autocast)."""
-        o, fsdp = self.options, self.dims.fsdp_enabled
+        o, fsdp = self.options, self.dims.data_parallel_enabled
         reduce = f", gradients reduced in {o.reduce_dtype}" if fsdp else ""
         if o.param_dtype == "float32":
             return f"compute float32{reduce}"

@@ -52,14 +52,10 @@ def test_vocab_mismatch(tmp_path):
     (3, ["--parallelism.tensor_parallel_degree", "3"], "4 attention heads"),  # tiny has 4 heads
     (2, ["--parallelism.data_parallel_shard_degree", "4"], "world size is 2"),
     (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel"], "CUDA"),
-    (4, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree", "2",
-         "--parallelism.data_parallel_shard_degree", "1"], "DDP"),
     (2, ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "62"],
      "2 × context_parallel_degree"),
-    (4, ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree", "2"],
-     "HSDP combined with context parallel"),
 ], ids=["heads_not_divisible_by_tp", "degrees_not_matching_world", "async_tp_needs_cuda",
-        "tp_with_ddp", "seq_not_divisible_by_2cp", "hsdp_with_cp"])
+        "seq_not_divisible_by_2cp"])
 def test_bad_layout_under_torchrun(nproc, args, fragment, tmp_path):
     fails_with(run_train([*TINY, "--job.dump_folder", str(tmp_path), *args], nproc=nproc), fragment,
                torchrun=True)

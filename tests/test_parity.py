@@ -9,6 +9,8 @@ from conftest import TINY, check_ok, run_train, train_rows
 
 GLOBAL_BATCH = ["--training.global_batch_size", "8"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
+DDP2 = ["--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2",
+        "--parallelism.data_parallel_shard_degree", "1"]
 RING = ["--parallelism.context_parallel_rotate_method", "ring"]
 
 LAYOUTS = {
@@ -16,11 +18,14 @@ LAYOUTS = {
     "fsdp4": (4, ["--training.local_batch_size", "2"]),
     "hsdp2x2": (4, ["--training.local_batch_size", "2",
                     "--parallelism.data_parallel_replicate_degree", "2"]),
-    "ddp2": (2, ["--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2",
-                 "--parallelism.data_parallel_shard_degree", "1"]),
+    "ddp2": (2, DDP2),
     # Gradient accumulation: global 8 as 2 microbatches of 4 on one process, and FSDP 2 × 2 × 2.
     "accum1": (1, ["--training.local_batch_size", "4"]),
     "fsdp2_accum": (2, ["--training.local_batch_size", "2"]),
+    # DDP (HSDP with shard degree 1) composed with TP, PP and CP.
+    "ddp2_tp2": (4, [*DDP2, "--parallelism.tensor_parallel_degree", "2"]),
+    "ddp2_pp2": (4, [*DDP2, "--parallelism.pipeline_parallel_degree", "2"]),
+    "ddp2_cp2": (4, [*DDP2, *CP2]),
     "ddp2_accum": (2, ["--training.local_batch_size", "2",
                        "--parallelism.data_parallel_replicate_degree", "2",
                        "--parallelism.data_parallel_shard_degree", "1"]),
