@@ -220,7 +220,7 @@ def test_bad_checkpoints_are_clear_errors_and_touch_nothing(single, tmp_path, da
     blocked = tmp_path / "blocked"
     blocked.mkdir()
     (blocked / "checkpoint").write_text("a file where the folder should be")
-    fails_with(run_train(args_for(blocked, data_cache)), "not writable")
+    fails_with(run_train(args_for(blocked, data_cache)), "checkpoint.folder", "a file, not a folder")
 
 
 def test_initial_load_path_and_exclusions(single, tmp_path, data_cache):
