@@ -11,6 +11,7 @@ again on the saved folder), and the load time of a resumed run, with the checkpo
 import argparse
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -52,6 +53,8 @@ def main() -> None:
             step = Path(dump) / "checkpoint" / "step-8"
             size = sum(f.stat().st_size for f in step.rglob("*") if f.is_file())
             crc = manifest_seconds(step)
+            # load_step behind a newer checkpoint is refused (it would fork the run): drop step-11.
+            shutil.rmtree(Path(dump) / "checkpoint" / "step-11")
             out = run(a.nproc, [*base, "--training.steps", "12", "--checkpoint.load_step", "8"])
             load = float(re.search(r"resumed from \S+ \(([\d.]+) s\)", out).group(1))
             print(f"| {mode:<8} | {statistics.median(blocked):>18.3f} s | {crc:>10.3f} s | {load:>6.3f} s | "
