@@ -46,10 +46,11 @@ def single(tmp_path_factory, data_cache):
 
 
 @pytest.fixture(scope="module")
-def fsdp4(tmp_path_factory, data_cache):
-    """20 uninterrupted FSDP 4 steps (same global batch), checkpoints every 5."""
-    dump = tmp_path_factory.mktemp("fsdp4")
-    check_ok(run_train(args_for(dump, data_cache, "--training.local_batch_size", "2"), nproc=4))
+def hsdp4(tmp_path_factory, data_cache):
+    """20 uninterrupted HSDP 2 × 2 steps (same global batch), checkpoints every 5."""
+    dump = tmp_path_factory.mktemp("hsdp4")
+    check_ok(run_train(args_for(dump, data_cache, "--training.local_batch_size", "2",
+                                "--parallelism.data_parallel_replicate_degree", "2"), nproc=4))
     return dump
 
 
@@ -87,17 +88,17 @@ def test_exact_resume_fsdp2(tmp_path, data_cache):
 
 
 @pytest.mark.parametrize("nproc,extra", [
-    (2, ["--training.local_batch_size", "4"]),  # FSDP 4 → FSDP 2
-    (1, []),  # FSDP 4 → one process
+    (2, ["--training.local_batch_size", "4"]),  # HSDP 2×2 → FSDP 2
+    (1, []),  # HSDP 2×2 → one process
     (2, ["--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2",
-         "--parallelism.data_parallel_shard_degree", "1"]),  # FSDP 4 → DDP 2
-    (2, ["--parallelism.tensor_parallel_degree", "2"]),  # FSDP 4 → TP 2
+         "--parallelism.data_parallel_shard_degree", "1"]),  # HSDP 2×2 → DDP 2
+    (2, ["--parallelism.tensor_parallel_degree", "2"]),  # HSDP 2×2 → TP 2
     (4, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]),  # → FSDP 2 × TP 2
 ], ids=["to_fsdp2", "to_single", "to_ddp2", "to_tp2", "to_fsdp2_tp2"])
-def test_resume_in_another_layout(fsdp4, nproc, extra, tmp_path, data_cache):
-    resume_from(fsdp4, 10, tmp_path)
+def test_resume_in_another_layout(hsdp4, nproc, extra, tmp_path, data_cache):
+    resume_from(hsdp4, 10, tmp_path)
     check_ok(run_train(args_for(tmp_path, data_cache, *extra), nproc=nproc))
-    assert_same(losses(tmp_path), losses(fsdp4), range(11, 21), rel=1e-5)
+    assert_same(losses(tmp_path), losses(hsdp4), range(11, 21), rel=1e-5)
 
 
 def test_ddp_checkpoint_resumes_with_fsdp(single, tmp_path, data_cache):
