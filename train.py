@@ -48,6 +48,7 @@ from components.metrics import MetricsLogger, memory_gib
 from components.moe_load import imbalance
 from components.optim import build_lr_scheduler, build_optimizer
 from components.parallel_options import ParallelOptions
+from components.path_checks import check_paths
 from components.peak_flops import peak_flops
 from components.preemption import StopRequest
 from components.profiling import maybe_profile
@@ -68,6 +69,7 @@ class Trainer:
         self.cfg, self.info = cfg, info
         set_seed(cfg.training.seed, cfg.training.deterministic)
         self.dump = Path(cfg.job.dump_folder)
+        check_paths(cfg)
         self.spec, self.model_args = load_model_family(cfg)
         self.tokenizer = self._build_tokenizer()
         self.options = ParallelOptions.from_config(cfg, info.device.type)
@@ -202,7 +204,7 @@ class Trainer:
 
     def _numerics(self) -> str:
         """The dtypes the layout really computes and reduces in (FSDP casts; elsewhere autocast)."""
-        o, fsdp = self.options, self.dims.fsdp_enabled
+        o, fsdp = self.options, self.dims.data_parallel_enabled
         reduce = f", gradients reduced in {o.reduce_dtype}" if fsdp else ""
         if o.param_dtype == "float32":
             return f"compute float32{reduce}"

@@ -5,7 +5,8 @@ A checkpoint is one DCP folder `<dump>/<folder>/step-N/` holding every Stateful 
 shards are saved by parameter name and global shape, so any layout can load any checkpoint.
 Each is written as `step-N.tmp` and renamed once DCP's coordinator has written the metadata,
 which it does only after every rank finished: a crash mid-save leaves the previous checkpoint
-as the latest.
+as the latest. Before the rename the main rank writes a manifest of the files, their sizes and
+CRC-32s (checkpoint_integrity); a resume skips a damaged checkpoint for the newest intact one.
 """
 
 import os
@@ -22,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
+from components.checkpoint_integrity import checkpoint_problem, write_manifest
 from components.checkpoint_states import SafeLoadPlanner
 from components.errors import KilnError
 from components.folders import require_writable
@@ -148,16 +150,18 @@ class CheckpointManager:
     def _choose(self) -> tuple[int | None, str | None]:
         """(step to resume from or None, error message or None), from the main rank's view."""
         found = complete_checkpoints(self.folder)
-        full = [s for s, path in found.items() if is_full_checkpoint(path)]
         if self.load_step < 0:
-            # A model-only checkpoint (a seed, or a last_save_model_only export) is no resume point
-            # unless it is all there is, like the seed checkpoint step-0.
-            return (max(full) if full else (max(found) if found else None)), None
+            return self._choose_latest(found)
         if self.load_step not in found:
             have = ", ".join(map(str, found)) or "none"
             return None, (f"checkpoint.load_step {self.load_step} not found in {self.folder}; "
                           f"complete checkpoints: {have}")
-        newer = [s for s in full if s > self.load_step]
+        problem = checkpoint_problem(found[self.load_step])
+        if problem:
+            return None, (f"checkpoint.load_step {self.load_step}: {found[self.load_step]} is damaged: "
+                          f"{problem}")
+        newer = [s for s, path in found.items() if s > self.load_step and
+                 checkpoint_problem(path, checksums=False) is None and is_full_checkpoint(path)]
         if newer:
             return None, (
                 f"checkpoint.load_step {self.load_step} is older than step-{max(newer)} in {self.folder}: "
@@ -165,6 +169,25 @@ class CheckpointManager:
                 f"--checkpoint.initial_load_path {self.folder}/step-{self.load_step} "
                 f"--checkpoint.initial_load_model_only false")
         return self.load_step, None
+
+    def _choose_latest(self, found: dict[int, Path]) -> tuple[int | None, str | None]:
+        """The newest intact whole training state; a damaged newer one is skipped with one warning.
+        A model-only checkpoint (a seed, or a last_save_model_only export) is no resume point unless
+        it is all there is, like the seed checkpoint step-0. Only damaged ones: an error, never a
+        silent fresh start over them."""
+        damaged, model_only = [], None
+        for step in sorted(found, reverse=True):
+            problem = checkpoint_problem(found[step])
+            if problem:
+                damaged.append(f"{found[step]} ({problem})")
+                warnings.warn(f"skipping damaged checkpoint {found[step]}: {problem}", stacklevel=2)
+            elif is_full_checkpoint(found[step]):
+                return step, None
+            elif model_only is None:
+                model_only = step
+        if model_only is None and damaged:
+            return None, f"no intact checkpoint in {self.folder}: " + "; ".join(damaged)
+        return model_only, None
 
     def load_from(self, path: Path, parts: list[str]) -> list[str]:
         """Load the named parts that the checkpoint at `path` holds; returns the parts loaded."""
@@ -194,7 +217,7 @@ class CheckpointManager:
         final = self.folder / f"step-{step}"
         start = time.perf_counter()  # waiting for the previous async save blocks training too
         self.wait()
-        if (final / ".metadata").exists():
+        if (final / ".metadata").exists() and checkpoint_problem(final, checksums=False) is None:
             raise KilnError(f"refusing to overwrite the complete checkpoint {final}")
         model_only = model_only or (last and self.last_save_model_only)
         tmp = self.folder / f"step-{step}.tmp"
@@ -243,20 +266,47 @@ class CheckpointManager:
         self._finish(step, tmp, final)
 
     def _finish(self, step: int, tmp: Path, final: Path) -> None:
-        """Rename step-N.tmp to step-N (main rank; all ranks' files are in) and prune old ones."""
+        """Write the manifest, rename step-N.tmp to step-N (main rank; all ranks' files are in) and
+        prune old ones."""
         if self.is_main:
-            if final.exists():  # a step-N without metadata (ignored as incomplete) is in the way
-                shutil.rmtree(final)
+            start = time.perf_counter()
+            write_manifest(tmp)
+            self.last_manifest_seconds = time.perf_counter() - start
+            if final.exists():  # an incomplete step-N (ignored) or a damaged one (set aside) is in the way
+                _set_aside(final)
             tmp.rename(final)
             if self.keep_latest_k > 0:
-                # Only whole training states count and are pruned; model-only exports stay.
-                full = [p for p in complete_checkpoints(self.folder).values() if is_full_checkpoint(p)]
-                for old in full[: -self.keep_latest_k]:
-                    shutil.rmtree(old, ignore_errors=True)
+                prune(self.folder, self.keep_latest_k)
 
     def close(self) -> None:
         """Finish any pending save (called at exit)."""
         self.wait()
+
+
+def _set_aside(folder: Path) -> None:
+    """Keep a damaged or incomplete step-N as step-N.damaged (evidence; no longer a checkpoint)."""
+    if not (folder / ".metadata").exists():
+        shutil.rmtree(folder)
+        return
+    aside = folder.with_name(folder.name + ".damaged")
+    if aside.exists():
+        shutil.rmtree(aside)
+    folder.rename(aside)
+
+
+def prune(folder: Path, keep: int) -> None:
+    """Keep the newest `keep` intact whole training states and delete the whole states older than
+    them; model-only exports stay. Only intact ones count, so a damaged checkpoint never pushes out
+    the intact one a resume would need."""
+    intact, older = 0, []
+    for path in reversed(list(complete_checkpoints(folder).values())):
+        if intact >= keep:
+            older.append(path)
+        elif checkpoint_problem(path, checksums=False) is None and is_full_checkpoint(path):
+            intact += 1
+    for path in older:
+        if checkpoint_problem(path, checksums=False) is not None or is_full_checkpoint(path):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def load_model_weights(model: torch.nn.Module, checkpoint: Path) -> None:

@@ -89,7 +89,10 @@ def _validation_batches(cfg: JobConfig, files: dict[str, Path], vocab_size: int,
                         ranks: DataRanks) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's validation rows, checked at start-up: rounds of one global batch each."""
     if "val" not in files:
-        raise KilnError("validation.enable is set but the dataset has no validation split")
+        source = cfg.training.dataset_path or cfg.training.dataset
+        raise KilnError(f"validation.enable is set but the dataset {source} has no validation split: "
+                        "name one with --validation.dataset FILE (a file, folder, glob or dataset), or "
+                        "train on a folder with train.* and val.* files")
     windows = TokenWindows(files["val"], cfg.training.seq_len, vocab_size)
     rows = global_batch // ranks.dp
     return validation_batches(windows, rows, ranks.dp_rank, ranks.dp, cfg.validation.steps)

@@ -1,6 +1,6 @@
 """The fixed order every model family applies the parallelisms in: TP → (EP) → CP → AC → compile →
-FSDP/HSDP or DDP. A model's parallelize_fn brings its TP plan (and any step of its own, such as
-expert parallel) and calls these two for the rest.
+FSDP/HSDP/DDP (all three through fully_shard). A model's parallelize_fn brings its TP plan (and any
+step of its own, such as expert parallel) and calls these two for the rest.
 """
 
 from collections.abc import Callable
@@ -14,7 +14,7 @@ from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.autocast import apply_autocast
 from parallelisms.compile import apply_compile
 from parallelisms.context_parallel import apply_cp
-from parallelisms.fsdp import apply_ddp, apply_fsdp, mixed_precision
+from parallelisms.fsdp import apply_fsdp, mixed_precision
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import apply_tp, enable_async_tp, require_plan_covers, transformer_top_plan
 
@@ -44,14 +44,12 @@ def finish_parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOp
     apply_ac(model, options.ac_mode, options.ac_option)
     if options.compile:
         apply_compile(model, tensor_parallel=dims.tp > 1)
-    if dims.fsdp_enabled:
+    if dims.data_parallel_enabled:  # FSDP, HSDP, and DDP as HSDP with a shard degree of 1
         policy = mixed_precision(options.param_dtype, options.reduce_dtype)
         if before_fsdp is not None:
             before_fsdp(policy)
         apply_fsdp(model, dims.fsdp_mesh(), policy, options.reshard_after_forward,
                    pipeline_parallel=dims.pp > 1)
-    elif dims.ddp_enabled:
-        apply_ddp(model, dims.mesh("dp"))
-    if options.param_dtype == "bfloat16" and not dims.fsdp_enabled:  # FSDP casts the parameters itself
+    if options.param_dtype == "bfloat16" and not dims.data_parallel_enabled:  # FSDP casts them itself
         apply_autocast(model, options.device_type)
     return model

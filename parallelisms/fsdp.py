@@ -1,4 +1,6 @@
-"""Data parallelism: FSDP2 (fully_shard) and HSDP over a 1-D or 2-D mesh, and DDP (replicate)."""
+"""Data parallelism through FSDP2's fully_shard: FSDP over a 1-D mesh, HSDP over a 2-D (replicate,
+shard) mesh, and DDP as HSDP with a shard degree of 1 — so DDP composes with TP, PP and CP wherever
+FSDP does, runs under the planner's fake process group, and saves layout-free checkpoints."""
 
 import torch
 from torch import nn
@@ -24,7 +26,8 @@ def apply_fsdp(
 ) -> nn.Module:
     """Shard each block, the embeddings, final norm + output, then the root, with FSDP2.
 
-    A 2-D mesh (dp_replicate, dp_shard) gives HSDP: sharded within a row, replicated across rows.
+    A 2-D mesh (dp_replicate, dp_shard_cp) gives HSDP: sharded within a row, replicated across rows
+    (DDP when a row is one rank).
     reshard_after_forward: "always", "never", or "default" (reshard, except with pipeline parallel
     where each microbatch would gather the weights again).
     """
@@ -56,25 +59,14 @@ def shares_parameters(a: nn.Module, b: nn.Module) -> bool:
     return bool({id(p) for p in a.parameters()} & {id(p) for p in b.parameters()})
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Replicate the model over the mesh; gradients are all-reduced (averaged) in backward."""
-    from torch.distributed._composable.replicate import replicate
-
-    # torch's composable replicate keeps parameter names (no `module.` prefix like the DDP wrapper).
-    replicate(model, device_mesh=mesh, bucket_cap_mb=100)
-    return model
-
-
 def set_gradient_sync(model: nn.Module, last_microbatch: bool) -> None:
     """Set the data-parallel reduction for the next microbatch's backward (gradient accumulation).
 
     FSDP reduce-scatters every microbatch, so only sharded gradients accumulate (no full-size
     gradient lives between microbatches, as in TorchTitan); HSDP all-reduces the shards across
-    replicas on the last microbatch only. DDP (torch's composable replicate) skips the all-reduce
-    of every microbatch but the last. Under pipeline parallel torch's schedules do this
-    themselves (and keep a stage's gradients unsharded until its last microbatch).
+    replicas on the last microbatch only (and so does DDP, HSDP with shards of one rank). Under
+    pipeline parallel torch's schedules do this themselves (and keep a stage's gradients unsharded
+    until its last microbatch).
     """
     if isinstance(model, FSDPModule):
         model.set_requires_all_reduce(last_microbatch)
-    elif hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(last_microbatch)

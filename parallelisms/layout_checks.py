@@ -114,9 +114,6 @@ def _tp_problems(dims: ParallelDims, model: ModelShape, options: ParallelOptions
         out.append(f"training.seq_len {options.seq_len} must be divisible by tensor_parallel_degree {tp}"
                    + (f" × context_parallel_degree {cp}" if cp > 1 else "")
                    + " (sequence parallel shards each rank's sequence)")
-    if dims.ddp_enabled:
-        out.append("DDP cannot be combined with tensor parallel; use FSDP or HSDP "
-                   "(data_parallel_shard_degree > 1) with TP")
     if model.tied_embeddings:
         out.append("tensor parallel does not support tied embeddings (the embedding is split by rows, "
                    "the output head by columns)")
@@ -128,8 +125,6 @@ def _cp_problems(dims: ParallelDims, options: ParallelOptions) -> list[str]:
     if cp > 1 and options.seq_len % (2 * cp):
         out.append(f"training.seq_len {options.seq_len} must be divisible by 2 × context_parallel_degree = "
                    f"{2 * cp} (load-balanced causal sharding)")
-    if cp > 1 and dims.hsdp_enabled:
-        out.append("HSDP combined with context parallel is not supported yet")
     return out
 
 

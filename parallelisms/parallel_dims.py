@@ -79,6 +79,11 @@ class ParallelDims:
         return self.dp_replicate > 1 and not self.fsdp_enabled
 
     @property
+    def data_parallel_enabled(self) -> bool:
+        """Whether fully_shard wraps the model: FSDP, HSDP, or DDP (HSDP with a shard degree of 1)."""
+        return self.dp_replicate * self.dp_shard * self.cp > 1
+
+    @property
     def hsdp_enabled(self) -> bool:
         return self.dp_replicate > 1 and self.fsdp_enabled
 
@@ -148,7 +153,7 @@ class ParallelDims:
         if self.world_size == 1:
             mode = "single process"
         elif self.hsdp_enabled:
-            mode = f"HSDP: {self.dp_replicate} replicas × FSDP2 over {self.dp_shard}"
+            mode = f"HSDP: {self.dp_replicate} replicas × FSDP2 over {self.dp_shard * self.cp}"
         elif self.fsdp_enabled:
             mode = f"FSDP2 over {self.dp_shard * self.cp} ranks"
         elif self.ddp_enabled:
@@ -167,12 +172,19 @@ class ParallelDims:
         return f"{degrees} → {mode}"
 
     def fsdp_mesh(self) -> DeviceMesh | None:
-        """The mesh FSDP shards over: 1-D (dp_shard_cp) for FSDP, 2-D (dp_replicate, dp_shard) for HSDP."""
-        if not self.fsdp_enabled:
+        """The mesh fully_shard runs over: 1-D (dp_shard_cp) for FSDP; with replicas 2-D
+        (dp_replicate, dp_shard_cp) — HSDP, or DDP when dp_shard × cp is 1, so that DDP composes
+        with TP, PP and CP wherever FSDP does (as torch's FSDP-based `replicate` does)."""
+        if not self.data_parallel_enabled or self.world_mesh is None:
             return None
-        if self.hsdp_enabled:
-            return self.world_mesh[("dp_replicate", "dp_shard")]
-        return self.mesh("dp_shard_cp")
+        if self.dp_replicate == 1:
+            return self.mesh("dp_shard_cp")
+        if "replicate_shard" not in self._views:
+            # dp_cp is (dp_replicate, dp_shard, cp) flattened row-major, so unflattening it keeps the
+            # world mesh's rank order and root (which TP's DTensors need to compose with it).
+            self._views["replicate_shard"] = self.mesh("dp_cp")._unflatten(
+                0, (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp"))
+        return self._views["replicate_shard"]
 
     def expert_fsdp_mesh(self) -> DeviceMesh:
         """The mesh FSDP shards expert weights over: what dp_shard × cp leaves after ep (with HSDP,

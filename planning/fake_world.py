@@ -36,6 +36,10 @@ def mesh_group_names(dims: ParallelDims) -> dict[str, str]:
         mesh = dims.mesh(name)
         if mesh is not None:
             names.setdefault(mesh.get_group().group_name, name)
+    fsdp = dims.fsdp_mesh()
+    if fsdp is not None and fsdp.ndim == 2:  # HSDP/DDP's own (dp_replicate, dp_shard_cp) groups
+        for name in fsdp.mesh_dim_names:
+            names.setdefault(fsdp[name].get_group().group_name, name)
     for name in ("ep", "dp_shard_mod_ep"):
         mesh = dims.mesh(name)
         if mesh is not None and mesh.size() > 1:

@@ -109,8 +109,8 @@ def make_plan(cfg: JobConfig, world_size: int, device: Device, *, device_type: s
                     else global_batch // (t.local_batch_size * dims.dp))
     plan = Plan(model=f"{cfg.model.name}/{cfg.model.flavor}", num_params=0, layout="", world_size=world_size,
                 global_batch=global_batch, seq_len=t.seq_len, microbatches=microbatches,
-                numerics=_numerics(options, dims.fsdp_enabled), ac_mode=options.ac_mode, device=device,
-                mfu=mfu, flops_per_token=0)
+                numerics=_numerics(options, dims.data_parallel_enabled), ac_mode=options.ac_mode,
+                device=device, mfu=mfu, flops_per_token=0)
     ranks = ranks if ranks is not None else default_ranks(world_size, dims.pp)
     bad = [r for r in ranks if not 0 <= r < world_size]
     if bad:

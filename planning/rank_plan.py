@@ -28,7 +28,6 @@ from components.parallel_options import ParallelOptions
 from models import ModelSpec
 from parallelisms.materialize import to_empty_keeping_ties
 from planning.balanced_routing import balance_routing
-from planning.ddp_stand_in import ddp_stand_in
 from planning.fake_world import fake_world, mesh_group_names
 from planning.pipeline_bubble import schedule_bubble
 from planning.step_tracker import StepTracker
@@ -145,7 +144,7 @@ def allocate_fake(module: nn.Module) -> None:
     to_empty, which FSDP supports. Plain meta parameters cannot be filled in place with fake tensors
     (the tensor types differ, and fake tensors refuse swap_tensors), so they are replaced by fake
     parameters of their shapes, shared where the meta ones were (tied weights), and so are the
-    buffers; DDP collects its parameters at the first forward, after this."""
+    buffers."""
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(p, DTensor) for p in module.parameters()):
@@ -218,9 +217,8 @@ def plan_rank(cfg: JobConfig, spec: ModelSpec, args: Any, options: ParallelOptio
     build_options = dataclasses.replace(options, device_type="cpu")  # the fake tensors live on cpu
     with fake_world(world_size, rank):
         dims.build_mesh("cpu")
-        with ddp_stand_in():
-            built = build_model_parts(spec, args, dims, build_options)
-            probe = _probe_stage(spec, args, dims, build_options) if dims.pp > 1 else None
+        built = build_model_parts(spec, args, dims, build_options)
+        probe = _probe_stage(spec, args, dims, build_options) if dims.pp > 1 else None
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
             shapes = (_stage_shapes(probe, built, options.pp_microbatch_size, cfg.training.seq_len // dims.cp)

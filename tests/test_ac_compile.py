@@ -35,6 +35,7 @@ def test_ac_under_fsdp(plain, tmp_path, data_cache):
                        nproc=2))
     for ref, got in zip(plain, train_rows(tmp_path), strict=True):
         assert abs(got["loss"] - ref["loss"]) <= 1e-5 * ref["loss"]
+        assert abs(got["grad_norm"] - ref["grad_norm"]) <= 1e-4 * ref["grad_norm"], ref["step"]
 
 
 def test_compiled_checkpoint_loads_uncompiled(plain, tmp_path, data_cache):
@@ -46,9 +47,10 @@ def test_compiled_checkpoint_loads_uncompiled(plain, tmp_path, data_cache):
     proc = run_train([*TINY, *ckpt])
     check_ok(proc)
     assert "step-2" in proc.stdout
-    rows = {r["step"]: r["loss"] for r in train_rows(tmp_path)}  # the resumed run's rows win
+    rows = {r["step"]: r for r in train_rows(tmp_path)}  # the resumed run's rows win
     for ref in plain[2:]:
-        assert abs(rows[ref["step"]] - ref["loss"]) <= 1e-5 * ref["loss"]
+        assert abs(rows[ref["step"]]["loss"] - ref["loss"]) <= 1e-5 * ref["loss"]
+        assert abs(rows[ref["step"]]["grad_norm"] - ref["grad_norm"]) <= 1e-4 * ref["grad_norm"]
 
 
 

@@ -11,6 +11,9 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from conftest import TINY, check_ok, fails_with, read_metrics, run_train, train_rows
 
+from components.checkpoint import prune
+from components.checkpoint_integrity import MANIFEST, checkpoint_problem
+
 CKPT = ["--training.steps", "20", "--checkpoint.enable", "--checkpoint.interval", "5"]
 
 
@@ -43,17 +46,18 @@ def single(tmp_path_factory, data_cache):
 
 
 @pytest.fixture(scope="module")
-def fsdp4(tmp_path_factory, data_cache):
-    """20 uninterrupted FSDP 4 steps (same global batch), checkpoints every 5."""
-    dump = tmp_path_factory.mktemp("fsdp4")
-    check_ok(run_train(args_for(dump, data_cache, "--training.local_batch_size", "2"), nproc=4))
+def hsdp4(tmp_path_factory, data_cache):
+    """20 uninterrupted HSDP 2 × 2 steps (same global batch), checkpoints every 5."""
+    dump = tmp_path_factory.mktemp("hsdp4")
+    check_ok(run_train(args_for(dump, data_cache, "--training.local_batch_size", "2",
+                                "--parallelism.data_parallel_replicate_degree", "2"), nproc=4))
     return dump
 
 
 def test_saves_every_interval_atomically(single):
     folder = single / "checkpoint"
     assert sorted(p.name for p in folder.iterdir()) == ["step-10", "step-15", "step-20", "step-5"]
-    assert all((p / ".metadata").exists() for p in folder.iterdir())
+    assert all((p / ".metadata").exists() and (p / MANIFEST).exists() for p in folder.iterdir())
 
 
 def test_exact_resume_single_process_twice(single, tmp_path, data_cache):
@@ -84,17 +88,17 @@ def test_exact_resume_fsdp2(tmp_path, data_cache):
 
 
 @pytest.mark.parametrize("nproc,extra", [
-    (2, ["--training.local_batch_size", "4"]),  # FSDP 4 → FSDP 2
-    (1, []),  # FSDP 4 → one process
+    (2, ["--training.local_batch_size", "4"]),  # HSDP 2×2 → FSDP 2
+    (1, []),  # HSDP 2×2 → one process
     (2, ["--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2",
-         "--parallelism.data_parallel_shard_degree", "1"]),  # FSDP 4 → DDP 2
-    (2, ["--parallelism.tensor_parallel_degree", "2"]),  # FSDP 4 → TP 2
+         "--parallelism.data_parallel_shard_degree", "1"]),  # HSDP 2×2 → DDP 2
+    (2, ["--parallelism.tensor_parallel_degree", "2"]),  # HSDP 2×2 → TP 2
     (4, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]),  # → FSDP 2 × TP 2
 ], ids=["to_fsdp2", "to_single", "to_ddp2", "to_tp2", "to_fsdp2_tp2"])
-def test_resume_in_another_layout(fsdp4, nproc, extra, tmp_path, data_cache):
-    resume_from(fsdp4, 10, tmp_path)
+def test_resume_in_another_layout(hsdp4, nproc, extra, tmp_path, data_cache):
+    resume_from(hsdp4, 10, tmp_path)
     check_ok(run_train(args_for(tmp_path, data_cache, *extra), nproc=nproc))
-    assert_same(losses(tmp_path), losses(fsdp4), range(11, 21), rel=1e-5)
+    assert_same(losses(tmp_path), losses(hsdp4), range(11, 21), rel=1e-5)
 
 
 def test_ddp_checkpoint_resumes_with_fsdp(single, tmp_path, data_cache):
@@ -217,7 +221,7 @@ def test_bad_checkpoints_are_clear_errors_and_touch_nothing(single, tmp_path, da
     blocked = tmp_path / "blocked"
     blocked.mkdir()
     (blocked / "checkpoint").write_text("a file where the folder should be")
-    fails_with(run_train(args_for(blocked, data_cache)), "not writable")
+    fails_with(run_train(args_for(blocked, data_cache)), "checkpoint.folder", "a file, not a folder")
 
 
 def test_initial_load_path_and_exclusions(single, tmp_path, data_cache):
@@ -252,3 +256,72 @@ def test_changed_data_order_is_refused_unless_excluded(single, tmp_path, data_ca
                               "--checkpoint.exclude_from_loading", "dataloader"))
     check_ok(proc)
     assert sorted(losses(tmp_path)) == list(range(11, 21))  # a fresh metrics file would start at 1
+
+
+# ---------------------------------------------------------------- integrity (manifest, CRC-32)
+
+def _damage(step: Path, kind: str) -> None:
+    """One kind of damage to a checkpoint folder, as a full disk, a partial copy or bit rot leaves it."""
+    shard = sorted(step.glob("*.distcp"))[0]
+    if kind == "truncated":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+    elif kind == "missing":
+        shard.unlink()
+    elif kind == "flipped":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    elif kind == "metadata":
+        meta = step / ".metadata"
+        meta.write_bytes(b"\0" * meta.stat().st_size)  # same size: only the checksum or the parse can tell
+
+
+DAMAGE = {"truncated": "truncated", "missing": "is missing", "flipped": "CRC-32", "metadata": "CRC-32"}
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_integrity_check_names_each_damage(single, tmp_path, kind):
+    step = tmp_path / "step-20"
+    shutil.copytree(single / "checkpoint" / "step-20", step)
+    assert (step / MANIFEST).is_file() and checkpoint_problem(step) is None
+    _damage(step, kind)
+    problem = checkpoint_problem(step)
+    assert problem is not None and DAMAGE[kind] in problem, problem
+    if kind == "flipped":  # same size: only the checksum sees it
+        assert checkpoint_problem(step, checksums=False) is None
+    # A folder from before manifests: its .metadata must still parse.
+    (step / MANIFEST).unlink()
+    if kind == "metadata":
+        assert "does not parse" in checkpoint_problem(step)
+
+
+def test_prune_counts_intact_checkpoints_only(single, tmp_path):
+    folder = tmp_path / "checkpoint"
+    shutil.copytree(single / "checkpoint", folder)
+    _damage(folder / "step-20", "truncated")
+    _damage(folder / "step-15", "missing")
+    kept = _snapshot(folder / "step-10")
+    prune(folder, keep=1)
+    # step-10 is the newest intact one: it stays, byte for byte; only what is older goes.
+    assert sorted(p.name for p in folder.iterdir()) == ["step-10", "step-15", "step-20"]
+    assert _snapshot(folder / "step-10") == kept
+
+
+def test_damaged_newest_checkpoint_is_skipped_and_load_step_of_it_refused(single, tmp_path, data_cache):
+    run = tmp_path / "run"
+    resume_from(single, 15, run)
+    shutil.copytree(single / "checkpoint" / "step-20", run / "checkpoint" / "step-20")
+    _damage(run / "checkpoint" / "step-20", "truncated")
+    kept = _snapshot(run / "checkpoint" / "step-15")
+    fails_with(run_train(args_for(run, data_cache, "--checkpoint.load_step", "20")),
+               "load_step 20", "step-20 is damaged", "truncated")
+    proc = run_train(args_for(run, data_cache))
+    check_ok(proc)
+    warned = [line for line in proc.stderr.splitlines() if "skipping damaged checkpoint" in line]
+    assert len(warned) == 1 and "step-20" in warned[0] and "truncated" in warned[0], proc.stderr[-2000:]
+    assert "step-15" in proc.stdout.split("resumed from")[1].splitlines()[0]
+    assert_same(losses(run), losses(single), range(16, 21), rel=0.0)
+    assert _snapshot(run / "checkpoint" / "step-15") == kept
+    # The new step-20 replaced the damaged one, which is kept aside, no longer a checkpoint.
+    assert checkpoint_problem(run / "checkpoint" / "step-20") is None
+    assert (run / "checkpoint" / "step-20.damaged").is_dir()

@@ -1,7 +1,14 @@
 """Bad input ends with one clear message naming the culprit, a non-zero exit and no traceback."""
 
+import tempfile
+from pathlib import Path
+
 import pytest
 from conftest import TINY, fails_with, run_train
+
+from components.config import load_config
+from components.errors import KilnError
+from components.path_checks import check_paths
 
 
 @pytest.mark.parametrize("args,fragments", [
@@ -52,14 +59,10 @@ def test_vocab_mismatch(tmp_path):
     (3, ["--parallelism.tensor_parallel_degree", "3"], "4 attention heads"),  # tiny has 4 heads
     (2, ["--parallelism.data_parallel_shard_degree", "4"], "world size is 2"),
     (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel"], "CUDA"),
-    (4, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree", "2",
-         "--parallelism.data_parallel_shard_degree", "1"], "DDP"),
     (2, ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "62"],
      "2 × context_parallel_degree"),
-    (4, ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree", "2"],
-     "HSDP combined with context parallel"),
 ], ids=["heads_not_divisible_by_tp", "degrees_not_matching_world", "async_tp_needs_cuda",
-        "tp_with_ddp", "seq_not_divisible_by_2cp", "hsdp_with_cp"])
+        "seq_not_divisible_by_2cp"])
 def test_bad_layout_under_torchrun(nproc, args, fragment, tmp_path):
     fails_with(run_train([*TINY, "--job.dump_folder", str(tmp_path), *args], nproc=nproc), fragment,
                torchrun=True)
@@ -72,3 +75,48 @@ def test_error_on_one_rank_is_printed_once_with_its_rank(tmp_path):
                       "tests.helpers.rank_error"], nproc=2)
     fails_with(proc, "rank 1: cannot read /data/shard-1.bin", torchrun=True)
     assert "lost contact" not in proc.stderr
+
+
+def _bad_paths(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
+    """Each bad path option: (overrides, fragments of its one-line error)."""
+    a_file = tmp / "a_file"
+    a_file.write_text("not a folder")
+    empty = tmp / "empty"
+    empty.mkdir()
+    dcp_flag = ["--checkpoint.initial_load_path", str(empty)]
+    return {
+        "dump_folder_is_a_file": (["--job.dump_folder", str(a_file)],
+                                  ["job.dump_folder", str(a_file), "a file"]),
+        "dump_folder_under_a_file": (["--job.dump_folder", str(a_file / "run")],
+                                     ["job.dump_folder", "a file"]),
+        "data_cache_is_a_file": (["--training.data_cache_dir", str(a_file)],
+                                 ["training.data_cache_dir", str(a_file)]),
+        "checkpoint_folder_is_a_file": (["--checkpoint.enable", "--job.dump_folder", str(tmp),
+                                         "--checkpoint.folder", "a_file"],
+                                        ["checkpoint.folder", str(a_file)]),
+        "tokenizer_missing": (["--model.tokenizer_path", str(tmp / "nope.json")],
+                              ["model.tokenizer_path", "nope.json", "does not exist"]),
+        "tokenizer_folder_empty": (["--model.tokenizer_path", str(empty)],
+                                   ["model.tokenizer_path", "tokenizer.json"]),
+        "initial_load_missing": (["--checkpoint.initial_load_path", str(tmp / "gone")],
+                                 ["checkpoint.initial_load_path", "gone", "does not exist"]),
+        "initial_load_not_dcp": (dcp_flag, ["checkpoint.initial_load_path", str(empty), ".metadata"]),
+        "hf_folder_without_config": ([*dcp_flag, "--checkpoint.initial_load_in_hf"],
+                                     ["checkpoint.initial_load_path", str(empty), "config.json"]),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_paths(Path(tempfile.mkdtemp()))))
+def test_bad_path_names_option_and_path(case, tmp_path):
+    args, fragments = _bad_paths(tmp_path)[case]
+    with pytest.raises(KilnError) as e:
+        check_paths(load_config(["--config", "llama_debug", "--job.dump_folder", str(tmp_path / "out"),
+                                 *args]))
+    for fragment in fragments:
+        assert fragment in str(e.value), (fragment, str(e.value))
+
+
+def test_dump_folder_that_is_a_file_is_one_line(tmp_path):
+    """The whole trainer, as a user meets it: one line, no NotADirectoryError from the data cache."""
+    (tmp_path / "a_file").write_text("x")
+    fails_with(run_train([*TINY, "--job.dump_folder", str(tmp_path / "a_file")]), "job.dump_folder", "a file")

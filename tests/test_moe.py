@@ -137,8 +137,34 @@ def test_load_metrics(reference):
         for layer, load in row["moe_load"].items():
             assert len(load) == 8 and sum(load) == tokens * 2
             assert row["moe_imbalance"][layer] == pytest.approx(max(load) / (sum(load) / 8), abs=1e-4)
-    first, last = reference[0]["moe_imbalance"], reference[-1]["moe_imbalance"]
-    assert all(v >= 1.0 for v in {**first, **last}.values())
+
+
+def test_load_counts_the_routed_choices():
+    """The layer's load is what routing really chose: per-token top-k choices counted by hand, and
+    the imbalance of those counts (not just a number >= 1)."""
+    from components.moe_load import balance_experts, imbalance
+
+    moe = _layer()
+    with torch.no_grad():
+        moe.expert_bias.copy_(torch.linspace(-0.05, 0.05, 6))
+    x = torch.randn(3, 7, 16)
+    moe(x)  # a training forward (grad enabled) is what counts
+    bias = moe.expert_bias if moe.args.load_balance_coeff is not None else torch.zeros(6)
+    expected = [0] * 6
+    with torch.no_grad():
+        for token in x.reshape(-1, 16):
+            scores = (moe.router.gate.weight @ token).softmax(-1)
+            for e in (scores + bias).topk(2).indices.tolist():
+                expected[e] += 1
+    assert sum(expected) == 3 * 7 * 2 and len(set(expected)) > 1  # an uneven batch, so it tells
+    bias_before = moe.expert_bias.clone()
+    load = balance_experts([("0", moe)], None)
+    assert load == {"0": expected}
+    assert imbalance(load)["0"] == pytest.approx(max(expected) / (sum(expected) / 6))
+    # The bias moved towards the experts that got fewer tokens than the mean (when the layer steers).
+    if moe.args.load_balance_coeff:
+        under = [e for e in range(6) if expected[e] < sum(expected) / 6]
+        assert all(moe.expert_bias[e] > bias_before[e] for e in under)
 
 
 def test_variant_with_aux_loss_accumulation_matches_fsdp(tmp_path, data_cache):

@@ -93,6 +93,7 @@ def test_ep_must_divide_shard_times_cp() -> None:
 def test_derived_flags(world: int, kw: dict, dp: int, fsdp: bool, ddp: bool, hsdp: bool) -> None:
     d = dims(world, **kw)
     assert (d.dp, d.fsdp_enabled, d.ddp_enabled, d.hsdp_enabled) == (dp, fsdp, ddp, hsdp)
+    assert d.data_parallel_enabled == (fsdp or ddp)  # all three go through fully_shard
 
 
 def test_single_process_builds_no_mesh() -> None:

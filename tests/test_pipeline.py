@@ -101,18 +101,18 @@ def test_bad_pipeline_input(args, fragment, tmp_path):
 
 
 def test_checkpoints_cross_between_pp_and_fsdp(tmp_path, data_cache):
-    """Save with PP 2 × FSDP 2, resume with FSDP 4, and the other way round."""
+    """Save with PP 2 × FSDP 2, resume with FSDP 2 × TP 2, and the other way round (TP → PP)."""
     import shutil
 
     layouts = {"pp": ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"],
-               "fsdp": ["--training.local_batch_size", "2"]}
+               "tp": ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]}
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", "5", "--training.data_cache_dir", str(data_cache)]
     straight = {}
     for name, extra in layouts.items():
         dump = tmp_path / f"straight_{name}"
         check_ok(run_train([*PP, *ckpt, *extra, "--job.dump_folder", str(dump)], nproc=4))
         straight[name] = {r["step"]: r["loss"] for r in train_rows(dump)}
-    for saver, loader in (("pp", "fsdp"), ("fsdp", "pp")):
+    for saver, loader in (("pp", "tp"), ("tp", "pp")):
         dump = tmp_path / f"{saver}_to_{loader}"
         shutil.copytree(tmp_path / f"straight_{saver}" / "checkpoint" / "step-5",
                         dump / "checkpoint" / "step-5")

@@ -20,6 +20,9 @@ ODD = [*TINY, "--job.custom_import", "tests.helpers.variant_models", "--model.na
        "--training.seq_len", "60", "--training.global_batch_size", "12", "--training.local_batch_size", "4"]
 LAYOUTS = {
     "fsdp3": (3, ODD),
+    # DDP is fully_shard over (replicate 2, shard 1): the planner runs the real thing.
+    "ddp2": (2, [*ODD, "--parallelism.data_parallel_replicate_degree", "2",
+                 "--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "2"]),
     "pp2": (2, [*ODD, "--parallelism.pipeline_parallel_degree", "2",
                 "--parallelism.pipeline_parallel_microbatch_size", "2"]),
 }

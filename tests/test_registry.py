@@ -71,10 +71,17 @@ def saved_registry() -> Iterator[None]:
         models._REGISTRY.update(saved)
 
 
-@pytest.fixture
-def clean_registry() -> Iterator[None]:
+@pytest.fixture(autouse=True)
+def isolated_registry() -> Iterator[None]:
+    """Every test starts from the registry as importing Kiln leaves it, and leaves it so: no test's
+    outcome depends on which ran before it (or on a module another test file imported)."""
     with saved_registry():
+        models._REGISTRY.clear()
+        models._REGISTRY.update(BUILT_IN)
         yield
+
+
+BUILT_IN = {name: models._REGISTRY[name] for name in ("llama3", "moe")}
 
 
 def test_llama3_is_registered() -> None:
@@ -143,7 +150,7 @@ class ArgsWithoutHeads:
     max_seq_len: int = 8
 
 
-def test_contract_is_checked_at_registration(clean_registry: None) -> None:
+def test_contract_is_checked_at_registration() -> None:
     with pytest.raises(ModelContractError) as e:
         register_model_spec(toy_spec("no_layers", model_cls=NoLayers))
     msg = str(e.value)
@@ -157,7 +164,7 @@ def test_contract_is_checked_at_registration(clean_registry: None) -> None:
     assert "no_layers" not in registered_models() and "no_heads" not in registered_models()
 
 
-def test_double_registration_with_other_spec_fails(clean_registry: None) -> None:
+def test_double_registration_with_other_spec_fails() -> None:
     register_model_spec(toy_spec())
     with pytest.raises(ValueError, match="toy_outside"):
         register_model_spec(toy_spec())

@@ -31,7 +31,8 @@ def test_rows_carry_loss_perplexity_and_tokens(single):
     (2, ["--training.local_batch_size", "4"]),
     (2, ["--parallelism.pipeline_parallel_degree", "2"]),
     (2, ["--parallelism.context_parallel_degree", "2"]),
-], ids=["fsdp2", "pp2", "cp2"])
+    (2, ["--parallelism.tensor_parallel_degree", "2"]),
+], ids=["fsdp2", "pp2", "cp2", "tp2"])
 def test_same_validation_in_every_layout(single, nproc, args, tmp_path, data_cache):
     check_ok(run_train([*VAL, *args, "--job.dump_folder", str(tmp_path),
                         "--training.data_cache_dir", str(data_cache)], nproc=nproc))
@@ -40,6 +41,20 @@ def test_same_validation_in_every_layout(single, nproc, args, tmp_path, data_cac
     for ref, got in zip(single, rows, strict=True):
         assert abs(got["val_loss"] - ref["val_loss"]) <= 1e-5 * ref["val_loss"]
         assert got["val_tokens"] == ref["val_tokens"]
+
+
+def test_validation_under_expert_parallel(tmp_path, data_cache):
+    """The MoE model's validation under EP 2 (tokens routed to other ranks' experts) equals one process."""
+    moe = [*VAL, "--model.name", "moe"]
+    runs = {}
+    for name, nproc, extra in (("single", 1, []), ("ep2", 2, ["--training.local_batch_size", "4",
+                                                              "--parallelism.expert_parallel_degree", "2"])):
+        check_ok(run_train([*moe, *extra, "--job.dump_folder", str(tmp_path / name),
+                            "--training.data_cache_dir", str(data_cache)], nproc=nproc))
+        runs[name] = val_rows(tmp_path / name)
+    assert [r["step"] for r in runs["ep2"]] == [2, 4]
+    for ref, got in zip(runs["single"], runs["ep2"], strict=True):
+        assert abs(got["val_loss"] - ref["val_loss"]) <= 1e-5 * ref["val_loss"]
 
 
 def test_validation_dataset(single, tmp_path, data_cache):
@@ -53,3 +68,7 @@ def test_validation_dataset(single, tmp_path, data_cache):
     assert abs(rows[0]["val_loss"] - single[0]["val_loss"]) > 1e-3  # another text, another loss
     fails_with(run_train([*VAL, "--validation.dataset", str(tmp_path / "none.txt"),
                           "--job.dump_folder", str(tmp_path / "bad")]), "validation.dataset", "none.txt")
+    # A one-file training set has no val split: the message says what to do.
+    fails_with(run_train([*VAL, "--training.dataset_path", str(text),
+                          "--job.dump_folder", str(tmp_path / "one")]),
+               "no validation split", "--validation.dataset FILE")
