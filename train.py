@@ -196,7 +196,9 @@ class Trainer:
         n_micro = pipeline.n_microbatches if pipeline is not None else 0
         return startup_summary(self.cfg, RunFacts(
             num_params=self.num_params, embedding_params=a.vocab_size * a.dim,
-            flops_per_token=self.flops_per_token, layout=d.describe(self.options, self.num_stages, n_micro),
+            flops_per_token=self.flops_per_token, layout=d.describe(
+                self.options, self.num_stages, n_micro,
+                any(getattr(part, "tp_sequence_parallel", False) for part in self.model_parts)),
             world_size=d.world_size, nodes=self.info.nodes,
             backend=dist.get_backend() if dist.is_initialized() else "none",
             device_type=self.info.device.type, global_batch=self.global_batch,

@@ -84,6 +84,8 @@ def test_outside_model_matches_single_process(layout, outside, reference, tmp_pa
                       str(outside / "gpt2_model.py"), "--job.dump_folder", str(tmp_path),
                       "--training.data_cache_dir", str(data_cache)], nproc=2)
     check_ok(proc)
+    if layout == "tp2":  # its plan has no sequence parallel, and the start-up line says so
+        assert "TP 2 (no sequence parallel, loss parallel on)" in proc.stdout
     rows = train_rows(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 9))
     for ref, got in zip(reference, rows, strict=True):
