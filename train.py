@@ -10,6 +10,7 @@ validation and checkpoints; main() turns errors into one line and a clean exit.
 
 import contextlib
 import os
+import signal
 import sys
 import time
 import traceback
@@ -260,7 +261,8 @@ class Trainer:
                 if profiler is not None:
                     profiler.step()
                 if preempted:
-                    stopped_by = f"signal {stop.received or 'from another rank'}"
+                    stopped_by = (signal.Signals(stop.received).name if stop.received
+                                  else "a signal to another rank")
                     self.say(f"stopping at step {st.step} on {stopped_by}")
                     break
         self.checkpoint.close()

@@ -1,7 +1,11 @@
 """Bad input ends with one clear message naming the culprit, a non-zero exit and no traceback."""
 
+import os
+import subprocess
+import sys
+
 import pytest
-from conftest import TINY, fails_with, run_train
+from conftest import REPO, TINY, fails_with, run_train
 
 
 @pytest.mark.parametrize("args,fragments", [
@@ -72,3 +76,15 @@ def test_error_on_one_rank_is_printed_once_with_its_rank(tmp_path):
                       "tests.helpers.rank_error"], nproc=2)
     fails_with(proc, "rank 1: cannot read /data/shard-1.bin", torchrun=True)
     assert "lost contact" not in proc.stderr
+
+
+def test_kiln_error_under_run_train_sh_is_not_followed_by_torchrun_report(tmp_path):
+    """scripts/run_train.sh's launcher ends Kiln's one line with one line of its own, exit 2."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", NGPU="2", PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "run_train.sh"), "--config", "llama_debug",
+                           "--training.step", "3", "--job.dump_folder", str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    fails_with(proc, "unknown key 'training.step'", torchrun=True)
+    assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "stopped on the error above" in proc.stderr
