@@ -5,21 +5,18 @@ The planner runs exactly these under a fake process group, so a layout the train
 refused there with the same message, and the sizes it measures are the trainer's.
 """
 
-import importlib
-import importlib.util
-import os
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from components.config import JobConfig
+from components.custom_import import import_custom
 from components.errors import KilnError
 from components.parallel_options import ParallelOptions
 from models import ModelSpec, UnknownModelError, get_model_args, get_model_spec
+from models.protocol import args_problems
 from parallelisms.layout_checks import ModelShape, stage_layers
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline import stage_ids
@@ -29,33 +26,17 @@ from parallelisms.tied_weights import shared_parameter_names
 def load_model_family(cfg: JobConfig) -> tuple[ModelSpec, Any]:
     """The registered ModelSpec of model.name (after job.custom_import) and a copy of its flavor's args."""
     if cfg.job.custom_import:
-        import_custom_module(cfg.job.custom_import)
+        import_custom(cfg.job.custom_import, cfg.config_dir)
     try:
         spec = get_model_spec(cfg.model.name)
-        return spec, get_model_args(spec, cfg.model.flavor)
+        args = get_model_args(spec, cfg.model.flavor)
     except UnknownModelError as e:
         raise KilnError(str(e)) from None
-
-
-def import_custom_module(name: str) -> None:
-    """job.custom_import: a module name (found from the working directory too) or a .py file path."""
-    if name.endswith(".py"):
-        path = Path(name).expanduser()
-        if not path.is_file():
-            raise KilnError(f"job.custom_import {name!r}: no such file")
-        module_spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[path.stem] = module
-        try:
-            module_spec.loader.exec_module(module)
-        except ImportError as e:
-            raise KilnError(f"job.custom_import {name!r} cannot be imported: {e}") from None
-        return
-    sys.path.insert(0, os.getcwd())
-    try:
-        importlib.import_module(name)
-    except ImportError as e:
-        raise KilnError(f"job.custom_import {name!r} cannot be imported: {e}") from None
+    problems = args_problems(args)  # a flavor added after registration is checked here
+    if problems:
+        raise KilnError(f"model {spec.name!r} flavor {cfg.model.flavor!r} does not meet the model contract "
+                        f"(models/protocol.py): {'; '.join(problems)}")
+    return spec, args
 
 
 def global_batch_size(cfg: JobConfig, dp: int) -> int:

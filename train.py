@@ -10,7 +10,9 @@ validation and checkpoints; main() turns errors into one line and a clean exit.
 
 import contextlib
 import os
+import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -53,7 +55,8 @@ from components.peak_flops import peak_flops
 from components.preemption import StopRequest
 from components.profiling import maybe_profile
 from components.run_data import DataRanks, build_run_data, cache_folder
-from components.run_summary import RunFacts, startup_summary
+from components.run_records import keep_earlier_run
+from components.run_summary import RunEnd, RunFacts, end_summary, startup_summary
 from components.shared_folder import unseen_by
 from components.tokenizer import Tokenizer
 from parallelisms.materialize import materialize_and_init
@@ -88,6 +91,7 @@ class Trainer:
         if self.memory_report is not None:
             self.memory_report.watch(self.model_parts, self.optimizers)
         self.state = TrainState()
+        self.last_checkpoint: Path | None = None
         self.checkpoint = self._build_checkpointing()
         self.metrics = self._build_metrics()
 
@@ -195,7 +199,9 @@ class Trainer:
         n_micro = pipeline.n_microbatches if pipeline is not None else 0
         return startup_summary(self.cfg, RunFacts(
             num_params=self.num_params, embedding_params=a.vocab_size * a.dim,
-            flops_per_token=self.flops_per_token, layout=d.describe(self.options, self.num_stages, n_micro),
+            flops_per_token=self.flops_per_token, layout=d.describe(
+                self.options, self.num_stages, n_micro,
+                any(getattr(part, "tp_sequence_parallel", False) for part in self.model_parts)),
             world_size=d.world_size, nodes=self.info.nodes,
             backend=dist.get_backend() if dist.is_initialized() else "none",
             device_type=self.info.device.type, global_batch=self.global_batch,
@@ -217,12 +223,20 @@ class Trainer:
         """The loop: batch → step → metrics → validation → checkpoint, until training.steps."""
         cfg, t, st = self.cfg, self.cfg.training, self.state
         self.say(self.summary())
-        self.restore()
+        resumed = self.restore()
+        if st.step >= t.steps:
+            self.say(f"nothing to do: the run already reached step {st.step} (training.steps = {t.steps}); "
+                     "raise training.steps to train further")
+            self.checkpoint.close()
+            return
+        if not resumed:
+            self._keep_earlier_records()
         self._write_resolved_config()
         # A fresh metrics file unless the run resumed (then its rows continue the earlier ones).
-        self.metrics.open(append=st.step > 0, start_step=st.step)
+        self.metrics.open(append=resumed, start_step=st.step)
         stop, gc_control = StopRequest(), GarbageCollection(t.gc_freq)
         tokens_per_step = self.global_batch * t.seq_len
+        first_step, first_tokens, started, stopped_by = st.step, st.tokens_seen, time.perf_counter(), ""
         with self._profiler() as profiler:
             while st.step < t.steps:
                 st.step += 1
@@ -249,10 +263,35 @@ class Trainer:
                 if profiler is not None:
                     profiler.step()
                 if preempted:
-                    self.say(f"stopping at step {st.step} on signal {stop.received or 'from another rank'}")
+                    stopped_by = (signal.Signals(stop.received).name if stop.received
+                                  else "a signal to another rank")
+                    self.say(f"stopping at step {st.step} on {stopped_by}")
                     break
         self.checkpoint.close()
         self.metrics.close()
+        self.say(end_summary(RunEnd(
+            first_step=first_step, last_step=st.step, total_steps=t.steps, tokens=st.tokens_seen,
+            session_tokens=st.tokens_seen - first_tokens, session_seconds=time.perf_counter() - started,
+            run_seconds=self.metrics.run_time(), world_size=self.info.world_size,
+            last_row=self.metrics.last_row, last_val=self.metrics.last_val, peak_mem_gib=self._peak_memory(),
+            checkpoint=self.last_checkpoint, checkpointing=self.checkpoint.enable, dump=self.dump,
+            stopped_by=stopped_by)))
+
+    def _keep_earlier_records(self) -> None:
+        """A new run (nothing resumed) in a folder holding another run's records moves them aside."""
+        if not self.info.is_main:
+            return
+        kept = keep_earlier_run(self.dump, self.cfg.metrics.save_tb_folder)
+        if kept is not None:
+            self.say(f"this is a new run: the earlier run's records in {self.dump} (metrics.jsonl, "
+                     f"config.toml, ...) were moved to {kept}")
+
+    def _peak_memory(self) -> float:
+        """Peak memory (GiB) of the fullest rank."""
+        peak = torch.tensor(memory_gib(self.info.device), device=self.info.device)
+        if dist.is_initialized():
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return peak.item()
 
     def _write_resolved_config(self) -> None:
         """config.toml, written only now that the run's input was accepted; data_parallel_shard_degree
@@ -327,21 +366,24 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def restore(self) -> None:
-        """Resume from this run's latest checkpoint, else start from checkpoint.initial_load_path."""
+    def restore(self) -> bool:
+        """Resume from this run's latest checkpoint (returns True), else start from
+        checkpoint.initial_load_path, if any (a new run: returns False)."""
         c, cc = self.checkpoint, self.cfg.checkpoint
         step = c.load()
         if step is not None:
-            self.say(f"resumed from {c.folder}/step-{step} ({c.last_load_seconds:.2f} s)")
-            return
+            self.last_checkpoint = c.folder / f"step-{step}"
+            self.say(f"resumed from {self.last_checkpoint} ({c.last_load_seconds:.2f} s)")
+            return True
         if not cc.initial_load_path:
-            return
+            return False
         if cc.initial_load_in_hf:
             self.load_hf_weights(resolve_path(cc.initial_load_path))
-            return
+            return False
         parts = ["model"] if cc.initial_load_model_only else list(c.states)
         loaded = c.load_from(resolve_path(cc.initial_load_path), parts)
         self.say(f"started from {cc.initial_load_path} ({', '.join(loaded)})")
+        return False
 
     def load_hf_weights(self, folder: Path) -> None:
         """Start from a Hugging Face folder: every rank reads the full weights and keeps its shards."""
@@ -359,6 +401,7 @@ class Trainer:
 
     def save_checkpoint(self, last: bool) -> None:
         self.checkpoint.save(self.state.step, last=last)
+        self.last_checkpoint = self.checkpoint.folder / f"step-{self.state.step}"
         blocked = self.checkpoint.last_save_seconds["blocked"]
         self.say(f"checkpoint {self.checkpoint.folder}/step-{self.state.step} "
                  f"({'queued' if self.checkpoint.pending else 'saved'}; training blocked {blocked:.2f} s)")

@@ -9,6 +9,7 @@ as the latest. Before the rename the main rank writes a manifest of the files, t
 CRC-32s (checkpoint_integrity); a resume skips a damaged checkpoint for the newest intact one.
 """
 
+import contextlib
 import os
 import re
 import shutil
@@ -32,6 +33,16 @@ from components.shared_folder import require_shared
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@contextlib.contextmanager
+def one_process_quiet():
+    """Without a process group DCP warns that it is "assuming the intent is to load (save) in a single
+    process" — which is the intent of a one-process run or tool, so the warning is dropped there."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single")
+        yield
 
 
 def complete_checkpoints(folder: Path) -> dict[int, Path]:
@@ -199,7 +210,8 @@ class CheckpointManager:
         loading = {p: self.states[p] for p in parts if p in present and p in self.states}
         start = time.perf_counter()
         try:
-            dcp.load(loading, checkpoint_id=str(path), planner=SafeLoadPlanner())
+            with one_process_quiet():
+                dcp.load(loading, checkpoint_id=str(path), planner=SafeLoadPlanner())
         except KilnError:
             raise
         except Exception as e:
@@ -231,7 +243,8 @@ class CheckpointManager:
             self._pending = (future, step, tmp, final)
             self.last_save_seconds = {"blocked": time.perf_counter() - start}
             return
-        dcp.save(state, checkpoint_id=str(tmp))
+        with one_process_quiet():
+            dcp.save(state, checkpoint_id=str(tmp))
         if os.environ.get("KILN_TEST_CRASH_DURING_SAVE") == str(step) and self.is_main:
             # Fault injection for the crash-consistency test: die after writing, before publishing.
             os.kill(os.getpid(), signal.SIGKILL)
@@ -319,6 +332,7 @@ def load_model_weights(model: torch.nn.Module, checkpoint: Path) -> None:
     state = ModelState([model])
     check_model_matches(state.state_dict(), checkpoint_shapes(checkpoint), checkpoint)
     try:
-        dcp.load({"model": state}, checkpoint_id=str(checkpoint), planner=SafeLoadPlanner())
+        with one_process_quiet():
+            dcp.load({"model": state}, checkpoint_id=str(checkpoint), planner=SafeLoadPlanner())
     except Exception as e:  # a damaged file: name the folder rather than show DCP's internals
         raise KilnError(f"cannot load checkpoint {checkpoint}: {type(e).__name__}: {e}") from None

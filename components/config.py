@@ -6,7 +6,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, ClassVar, Literal, get_args, get_origin
 
 from components.errors import KilnError
 
@@ -323,6 +323,8 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
+    # The --config file's folder, where job.custom_import is also looked for (not a setting).
+    config_dir: ClassVar[str] = ""
 
 
 # The schema, flattened once: section name -> class, and "section.key" -> its dataclass field.
@@ -485,7 +487,9 @@ def load_config(argv: list[str]) -> JobConfig:
     config, overrides, print_config = _parse_argv(argv)
     cfg = JobConfig()
     if config is not None:
-        _apply_toml(cfg, _find_config(config))
+        path = _find_config(config)
+        _apply_toml(cfg, path)
+        cfg.config_dir = str(path.resolve().parent)
     for key, value in overrides:
         _set(cfg, key, value, "command line")
     if print_config:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from components.folders import require_writable
-from components.peak_flops import PeakFlops
+from components.peak_flops import PeakFlops, raise_peak
 
 
 def memory_gib(device: torch.device) -> float:
@@ -20,6 +20,21 @@ def memory_gib(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kib * (1 if platform.system() != "Darwin" else 1 / 1024) / 2**20
+
+
+def last_time(path: Path) -> float:
+    """The `time` of the last row of a metrics.jsonl (0 when there is none): where a resumed run's
+    clock continues."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return 0.0
+    for line in reversed(lines):
+        try:
+            return float(json.loads(line)["time"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0.0
 
 
 class MetricsLogger:
@@ -43,6 +58,9 @@ class MetricsLogger:
         self.path = Path(dump_folder) / "metrics.jsonl"
         self.start = time.perf_counter()
         self._last_time = self.start
+        self.time_offset = 0.0  # seconds the run had trained before this process (a resume)
+        self.last_row: dict = {}
+        self.last_val: dict = {}
         self._tokens_since = 0
         self._writer = None
         self._file = None
@@ -54,6 +72,8 @@ class MetricsLogger:
         """Start writing: append to metrics.jsonl when resuming, else start it afresh. The ETA
         counts from start_step (where a resumed run picked up)."""
         self._eta_origin = (start_step, time.perf_counter())
+        if append:
+            self.time_offset = last_time(self.path)
         if not self.is_main:
             return
         self._file = open(self.path, "a" if append else "w", buffering=1)
@@ -74,12 +94,14 @@ class MetricsLogger:
         elapsed = max(now - self._last_time, 1e-9)
         tps = self._tokens_since / elapsed
         tflops = tps * self.flops_per_token / 1e12
+        if 0 < self.peak.tflops < tflops:
+            self._raise_peak(tflops)
         mfu = 100.0 * tflops / self.peak.tflops if self.peak.tflops > 0 else 0.0
         self._last_time, self._tokens_since = now, 0
         row = {
             "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
             "tps": round(tps, 2), "tflops": round(tflops, 5), "mfu": round(mfu, 4),
-            "mem_gib": round(memory_gib(self.device), 4), "time": round(now - self.start, 3),
+            "mem_gib": round(memory_gib(self.device), 4), "time": self.run_time(now),
             **(extra or {}),
         }
         if self.is_main:
@@ -95,7 +117,20 @@ class MetricsLogger:
                 flush=True,
             )
             self._write(row)
+        self.last_row = row
         return row
+
+    def run_time(self, now: float | None = None) -> float:
+        """Seconds since the run began, continuing across resumes (the `time` of a row)."""
+        return round(self.time_offset + (time.perf_counter() if now is None else now) - self.start, 3)
+
+    def _raise_peak(self, tflops: float) -> None:
+        """This run computed faster than the peak: raise it (and its cache), so MFU stays at most 100%."""
+        old = self.peak.tflops
+        self.peak = raise_peak(self.peak, tflops, persist=self.is_main)
+        if self.is_main:
+            print(f"MFU peak raised from {old:.3f} to {tflops:.3f} TFLOP/s: this run computed faster "
+                  f"than the peak it was given", flush=True)
 
     def eta(self, step: int, now: float) -> str:
         """Time left at the pace since this process started training, as 1h02m, 3m05s or 12s."""
@@ -124,7 +159,8 @@ class MetricsLogger:
                   f"validation loss {val_loss:.4f}  perplexity {ppl:,.2f}  over {val_tokens:,} tokens",
                   flush=True)
             self._write({"step": step, "val_loss": val_loss, "val_perplexity": ppl, "val_tokens": val_tokens,
-                         "time": round(time.perf_counter() - self.start, 3)})
+                         "time": self.run_time()})
+        self.last_val = {"step": step, "val_loss": val_loss}
 
     def _write(self, row: dict) -> None:
         self._file.write(json.dumps(row) + "\n")

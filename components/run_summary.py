@@ -43,3 +43,55 @@ def startup_summary(cfg: JobConfig, run: RunFacts) -> str:
         f"MFU     peak {run.peak.tflops:,.3f} TFLOP/s per device ({run.peak.source})",
         f"output  {Path(cfg.job.dump_folder) / 'metrics.jsonl'}; {t.steps} steps",
     ])
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """What a run did, for the lines it ends with."""
+
+    first_step: int  # the step this process started after (0 for a new run)
+    last_step: int
+    total_steps: int
+    tokens: int  # trained on in all sessions of the run
+    session_tokens: int  # trained on by this process
+    session_seconds: float
+    run_seconds: float  # the run's clock, continued across resumes (metrics.jsonl `time`)
+    world_size: int
+    last_row: dict  # the last training row logged ({} when none)
+    last_val: dict  # the last validation row ({} when none)
+    peak_mem_gib: float  # of the fullest rank
+    checkpoint: Path | None  # the latest checkpoint of the run, None without one
+    checkpointing: bool
+    dump: Path
+    stopped_by: str = ""  # the signal that stopped it early, "" when it reached training.steps
+
+
+def duration(seconds: float) -> str:
+    """1h02m03s, 3m05s or 12.3s."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    h, rem = divmod(int(seconds + 0.5), 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+def end_summary(end: RunEnd) -> str:
+    """Steps, tokens, time, throughput, the final losses, peak memory, the checkpoint and the outputs."""
+    e = end
+    tps = e.session_tokens / max(e.session_seconds, 1e-9)
+    earlier = f" (the run so far: {duration(e.run_seconds)})" if e.first_step > 0 else ""
+    head = (f"stopped at step {e.last_step} of {e.total_steps} on {e.stopped_by}" if e.stopped_by else
+            f"done    steps {e.first_step + 1}–{e.last_step} of {e.total_steps}")
+    loss = [f"loss {e.last_row['loss']:.4f} at step {e.last_row['step']}"] if e.last_row else []
+    if e.last_val:
+        loss.append(f"validation loss {e.last_val['val_loss']:.4f} at step {e.last_val['step']}")
+    if e.checkpoint is not None:
+        saved = f"checkpoint {e.checkpoint}" + (" (run the same command to resume)" if e.stopped_by else "")
+    else:
+        saved = "no checkpoint" + ("" if e.checkpointing else " (checkpoint.enable is off)")
+    return "\n".join([
+        f"{head} in {duration(e.session_seconds)}{earlier} · {e.tokens:,} tokens in all · "
+        f"{tps:,.0f} tok/s ({tps / e.world_size:,.0f} tok/s/dev)",
+        f"result  {' · '.join([*loss, f'peak memory {e.peak_mem_gib:.2f} GiB (fullest rank)'])}",
+        f"saved   {saved} · outputs in {e.dump} (metrics.jsonl, config.toml)",
+    ])

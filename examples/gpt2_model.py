@@ -1,17 +1,19 @@
 """A GPT-2-style model that registers itself with Kiln from outside the repository.
 
 LayerNorm with biases, learned position embeddings, a GELU MLP: nothing of Llama's. Copy this
-file anywhere and train it with no edit inside Kiln:
+file anywhere and train it with no edit inside Kiln (and no PYTHONPATH: custom_import takes the
+file's path, or its module name when the file sits beside the --config file):
 
-    PYTHONPATH=/folder/with/this/file torchrun --nproc-per-node 2 train.py --config llama_debug \
-        --job.custom_import gpt2_model --model.name gpt2 --model.flavor tiny \
+    torchrun --nproc-per-node 2 train.py --config llama_debug \
+        --job.custom_import /folder/with/gpt2_model.py --model.name gpt2 --model.flavor tiny \
         --parallelism.tensor_parallel_degree 2
 
 It meets the model contract (models/protocol.py): blocks in `layers`, its ends in `tok_embeddings`
 (tokens + positions: all that runs before the blocks), `norm` and `output`, and
 init_weights / init_buffers. It brings its own tensor-parallel plan (Megatron-style, without
 sequence parallel, so the learned positions stay a plain addition) and uses Kiln's generic cut
-into pipeline stages.
+into pipeline stages. It has no `rope_positions` / `core_attention` hooks, so context parallel is
+refused for it and generation recomputes the whole sequence per token (correct, slower).
 """
 
 import math

@@ -7,7 +7,6 @@ down, and checked at registration, in models/protocol.py.
 """
 
 import copy
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from components.custom_import import import_custom
 from models.protocol import check_contract
 
 
@@ -70,12 +70,12 @@ def get_model_args(spec: ModelSpec, flavor: str) -> Any:
     return copy.deepcopy(spec.flavors[flavor])
 
 
-def build_plain_model(name: str, flavor: str, custom_import: str = "",
-                      device: str | torch.device = "cpu") -> tuple[nn.Module, ModelSpec, Any]:
+def build_plain_model(name: str, flavor: str, custom_import: str = "", device: str | torch.device = "cpu",
+                      config_dir: str = "") -> tuple[nn.Module, ModelSpec, Any]:
     """(model, spec, args) for one-process tools (conversion, generation): built without random
     init, buffers filled and shared weights tied; the weights are meant to be loaded next."""
     if custom_import:
-        importlib.import_module(custom_import)
+        import_custom(custom_import, config_dir)
     spec = get_model_spec(name)
     args = get_model_args(spec, flavor)
     with torch.device("meta"):

@@ -147,9 +147,11 @@ class ParallelDims:
             return self.world_mesh[name]
         return None
 
-    def describe(self, options: ParallelOptions, n_stages: int = 1, n_microbatches: int = 0) -> str:
+    def describe(self, options: ParallelOptions, n_stages: int = 1, n_microbatches: int = 0,
+                 sequence_parallel: bool | None = None) -> str:
         """The degrees and the layout in words for the start-up summary, e.g.
-        "pp 1 × dp_replicate 1 × dp_shard 2 × cp 1 × tp 2 → TP 2 (…) × FSDP2 over 2 ranks"."""
+        "pp 1 × dp_replicate 1 × dp_shard 2 × cp 1 × tp 2 → TP 2 (…) × FSDP2 over 2 ranks";
+        sequence_parallel: whether the model's TP plan has it (None: unknown, not said)."""
         if self.world_size == 1:
             mode = "single process"
         elif self.hsdp_enabled:
@@ -163,7 +165,8 @@ class ParallelDims:
         if self.cp > 1:
             mode = f"CP {self.cp} ({options.cp_rotate_method}, head-tail load balanced) × {mode}"
         if self.tp > 1:
-            tp = f"TP {self.tp} (sequence parallel, loss parallel {'on' if options.loss_parallel else 'off'})"
+            sp = {True: "sequence parallel, ", False: "no sequence parallel, ", None: ""}[sequence_parallel]
+            tp = f"TP {self.tp} ({sp}loss parallel {'on' if options.loss_parallel else 'off'})"
             mode = f"{tp} × {mode}" if self.dp * self.cp > 1 else tp
         if self.pp > 1:
             pp = f"PP {self.pp} ({options.pp_schedule}, {n_stages} stages, {n_microbatches} microbatches)"

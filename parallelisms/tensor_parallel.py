@@ -43,9 +43,24 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, top_plan: dict[str, Parallel
              block_plan: Callable[[nn.Module], dict[str, ParallelStyle]]) -> None:
     """Parallelize the model's own modules with top_plan and each block of model.layers with
     block_plan(block) (blocks of one model may differ, e.g. dense and MoE)."""
-    parallelize_module(model, tp_mesh, {k: v for k, v in top_plan.items() if _has(model, k)})
+    top = {k: v for k, v in top_plan.items() if _has(model, k)}
+    parallelize_module(model, tp_mesh, top)
+    plans = [top]
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(block))
+        plans.append(block_plan(block))
+        parallelize_module(block, tp_mesh, plans[-1])
+    # What the start-up summary says of this layout: sequence parallel only if the plan has it.
+    model.tp_sequence_parallel = any(shards_sequence(style) for plan in plans for style in plan.values())
+
+
+def shards_sequence(style: ParallelStyle) -> bool:
+    """Whether a style keeps activations sharded along the sequence (SequenceParallel, or input or
+    output layouts of Shard(1))."""
+    if isinstance(style, SequenceParallel):
+        return True
+    layouts = [*(getattr(style, "input_layouts", None) or ()),
+               *(getattr(style, "output_layouts", None) or ())]
+    return any(layout == Shard(1) for layout in layouts)
 
 
 def require_plan_covers(model: nn.Module) -> None:

@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         try:
             model, _, args = build_plain_model(cfg.model.name, cfg.model.flavor, cfg.job.custom_import,
-                                               device)
+                                               device, cfg.config_dir)
         except UnknownModelError as e:
             raise KilnError(str(e)) from None
         load_model_weights(model, opts.checkpoint)

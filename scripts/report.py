@@ -54,7 +54,7 @@ def load_run(folder: Path) -> dict:
         raise ReportError(f"{metrics} holds no training rows (the run logged no step)")
     config_file = folder / "config.toml"
     config = tomllib.loads(config_file.read_text()) if config_file.is_file() else {}
-    return {"name": folder.name or str(folder), "folder": folder, "train": train,
+    return {"name": folder.name or str(folder), "folder": folder, "train": train, "rows": rows,
             "val": [r for r in rows if "val_loss" in r], "config": config}
 
 
@@ -152,6 +152,17 @@ def model_size(config: dict) -> str:
     return f"{total / 1e6:,.2f}M parameters ({active / 1e6:,.2f}M active)"
 
 
+def wall_time(rows: list[dict]) -> float:
+    """The run's wall time: the last `time`, which continues across resumes; a file from before that
+    (its clock restarting at each resume) adds up each session's last time instead."""
+    total, session = 0.0, 0.0
+    for t in (r["time"] for r in rows if "time" in r):
+        if t < session:  # the clock restarted: an older file's resumed session
+            total += session
+        session = t
+    return total + session
+
+
 def header(run: dict) -> list[tuple[str, str]]:
     """What a reader wants to know first about a run."""
     c, last = run["config"], run["train"][-1]
@@ -163,7 +174,7 @@ def header(run: dict) -> list[tuple[str, str]]:
             ("layout", degrees or "one process"),
             ("batch", f"global {train.get('global_batch_size', '?')} × seq {train.get('seq_len', '?')}"),
             ("steps", f"{last['step']} of {train.get('steps', '?')}"),
-            ("tokens", f"{last.get('tokens', 0):,}"), ("wall time", f"{last.get('time', 0):,.1f} s"),
+            ("tokens", f"{last.get('tokens', 0):,}"), ("wall time", f"{wall_time(run['rows']):,.1f} s"),
             ("final loss", f"{last['loss']:.4f}")]
 
 

@@ -21,7 +21,9 @@
 #                   from its latest checkpoint on restart)
 #   CONFIG_FILE     config used when the arguments name none (default train_configs/llama_debug.toml)
 #   OMP_NUM_THREADS threads per process (default: this node's cores / NGPU, at least 1)
-#   TORCHRUN        the torchrun command (default: python -m torch.distributed.run)
+#   TORCHRUN        the torchrun command (default: python scripts/launch.py, torchrun that passes a
+#                   SIGTERM on to the workers and ends quietly after them: exit 0 when they saved
+#                   and stopped, one line after Kiln's own error rather than torchrun's report)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -72,7 +74,7 @@ done
 # which fails when every node resolves MASTER_ADDR to a loopback or a second interface.
 is_host=0
 (( NODE_RANK == 0 )) && is_host=1
-read -r -a torchrun <<< "${TORCHRUN:-$PYTHON -m torch.distributed.run}"
+read -r -a torchrun <<< "${TORCHRUN:-$PYTHON scripts/launch.py}"
 
 if (( NNODES == 1 )) && [[ -z "${MASTER_ADDR_GIVEN:-}" ]]; then
     # One node and no address given: torchrun's standalone rendezvous on a free local port.

@@ -15,12 +15,19 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
-# The suite never reads or writes the user's home folder: Kiln's CPU-peak cache, Hugging Face and
-# matplotlib caches go to a folder of this session (every test and subprocess inherits these).
-_ISOLATED = Path(tempfile.mkdtemp(prefix="kiln-tests-home-"))
-atexit.register(shutil.rmtree, _ISOLATED, ignore_errors=True)
-for _var, _sub in (("XDG_CACHE_HOME", "cache"), ("XDG_CONFIG_HOME", "config"), ("MPLCONFIGDIR", "mpl")):
-    os.environ[_var] = str(_ISOLATED / _sub)
+# The suite never reads or writes the user's home folder: HOME itself, Kiln's CPU-peak cache, the
+# Hugging Face, torch, triton and matplotlib caches go to a folder of this session (every test and
+# subprocess inherits these), whatever the user's environment points them at.
+ISOLATED = Path(tempfile.mkdtemp(prefix="kiln-tests-home-"))
+atexit.register(shutil.rmtree, ISOLATED, ignore_errors=True)
+ISOLATED_VARS = {"HOME": "home", "XDG_CACHE_HOME": "cache", "XDG_CONFIG_HOME": "config",
+                 "MPLCONFIGDIR": "mpl", "HF_HOME": "cache/huggingface", "TORCH_HOME": "cache/torch",
+                 "TRITON_CACHE_DIR": "cache/triton"}
+for _var, _sub in ISOLATED_VARS.items():
+    os.environ[_var] = str(ISOLATED / _sub)
+for _var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_CACHE", "TRANSFORMERS_CACHE",
+             "HF_ASSETS_CACHE", "HF_TOKEN_PATH"):  # finer overrides would escape HF_HOME
+    os.environ.pop(_var, None)
 
 # A small, fast shape for multi-process tests: the tiny flavor, short sequences, few steps.
 TINY = [

@@ -77,6 +77,33 @@ def test_exact_resume_single_process_twice(single, tmp_path, data_cache):
     assert_same(losses(second), losses(single), range(16, 21), rel=0.0)
 
 
+def test_finished_run_resumed_new_run_kept(single, tmp_path, data_cache):
+    """A finished run has nothing to do; trained further, its clock continues and it ends with a
+    summary; a new run (nothing to resume) in its folder moves its records aside rather than over."""
+    dump = tmp_path / "run"
+    shutil.copytree(single, dump)
+    before = (dump / "metrics.jsonl").read_text()
+    proc = run_train(args_for(dump, data_cache))
+    check_ok(proc)
+    assert "nothing to do: the run already reached step 20" in proc.stdout
+    assert (dump / "metrics.jsonl").read_text() == before and not (dump / "earlier_runs").exists()
+    proc = run_train(args_for(dump, data_cache, "--training.steps", "22"))
+    check_ok(proc)
+    assert "assuming the intent" not in proc.stderr  # one-process load and save without DCP's warning
+    rows = train_rows(dump)
+    assert [r["step"] for r in rows] == list(range(1, 23))
+    assert all(b["time"] > a["time"] for a, b in zip(rows, rows[1:], strict=False))  # across the resume
+    assert "done    steps 21–22 of 22" in proc.stdout and "(the run so far: " in proc.stdout
+    assert f"checkpoint {dump / 'checkpoint' / 'step-22'}" in proc.stdout
+    kept = (dump / "metrics.jsonl").read_text()
+    proc = run_train(args_for(dump, data_cache, "--checkpoint.enable", "false", "--training.steps", "2"))
+    check_ok(proc)
+    assert f"were moved to {dump / 'earlier_runs' / '1'}" in proc.stdout
+    assert (dump / "earlier_runs" / "1" / "metrics.jsonl").read_text() == kept
+    assert (dump / "earlier_runs" / "1" / "config.toml").exists()
+    assert [r["step"] for r in train_rows(dump)] == [1, 2]
+
+
 def test_exact_resume_fsdp2(tmp_path, data_cache):
     straight = tmp_path / "straight"
     fsdp2 = ["--training.local_batch_size", "4"]

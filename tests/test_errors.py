@@ -1,10 +1,13 @@
 """Bad input ends with one clear message naming the culprit, a non-zero exit and no traceback."""
 
+import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import TINY, fails_with, run_train
+from conftest import REPO, TINY, fails_with, run_train
 
 from components.config import load_config
 from components.errors import KilnError
@@ -120,3 +123,13 @@ def test_dump_folder_that_is_a_file_is_one_line(tmp_path):
     """The whole trainer, as a user meets it: one line, no NotADirectoryError from the data cache."""
     (tmp_path / "a_file").write_text("x")
     fails_with(run_train([*TINY, "--job.dump_folder", str(tmp_path / "a_file")]), "job.dump_folder", "a file")
+def test_kiln_error_under_run_train_sh_is_not_followed_by_torchrun_report(tmp_path):
+    """scripts/run_train.sh's launcher ends Kiln's one line with one line of its own, exit 2."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", NGPU="2", PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "run_train.sh"), "--config", "llama_debug",
+                           "--training.step", "3", "--job.dump_folder", str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    fails_with(proc, "unknown key 'training.step'", torchrun=True)
+    assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "stopped on the error above" in proc.stderr

@@ -3,9 +3,10 @@ seeded text from a checkpoint written by a real run."""
 
 import pytest
 import torch
-from conftest import TINY, check_ok, fails_with, run_train, tiny_llama
+from conftest import REPO, TINY, check_ok, fails_with, run_train, tiny_llama
 
-from components.generation import generate, sample_next
+from components.custom_import import import_custom
+from components.generation import generate, kv_cache_layers, sample_next
 
 
 def tiny_model() -> torch.nn.Module:
@@ -19,7 +20,9 @@ def test_kv_cache_gives_the_full_recompute_tokens():
     """Greedy tokens with the cache equal greedy tokens from re-running the whole sequence."""
     model = tiny_model()
     prompt = [5, 17, 300, 42, 7]
-    cached = generate(model, prompt, 20, temperature=0)
+    notes: list[str] = []
+    cached = generate(model, prompt, 20, temperature=0, note=notes.append)
+    assert notes == [] and len(kv_cache_layers(model)) == len(model.layers)
     seq = list(prompt)
     with torch.no_grad():
         for _ in range(20):
@@ -27,6 +30,31 @@ def test_kv_cache_gives_the_full_recompute_tokens():
     assert cached == seq[len(prompt):]
     assert model.rope_positions is None  # the model is left as it was
     assert model.layers["0"].attention.core_attention.__name__ == "causal_attention"
+
+
+def test_a_model_without_the_cache_hooks_is_generated_by_full_recompute():
+    """GPT-2 (examples/, learned positions, no Kiln attention hooks): greedy tokens equal re-running
+    the whole sequence, and one line says why it is slower."""
+    from models import get_model_spec
+
+    import_custom(str(REPO / "examples" / "gpt2_model.py"))
+    spec = get_model_spec("gpt2")
+    torch.manual_seed(0)
+    model = spec.model_cls(spec.flavors["tiny"])
+    model.init_weights()
+    with torch.no_grad():
+        model.output.weight.mul_(30)
+    model.eval()
+    assert kv_cache_layers(model) == []
+    notes: list[str] = []
+    prompt = [5, 17, 300, 42, 7]
+    got = generate(model, prompt, 20, temperature=0, note=notes.append)
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(20):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    assert got == seq[len(prompt):] and len(set(got)) > 1
+    assert len(notes) == 1 and "recomputes the whole sequence" in notes[0] and "rope_positions" in notes[0]
 
 
 def test_sampling_knobs():

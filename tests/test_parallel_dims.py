@@ -129,3 +129,26 @@ def test_model_family_check_joins_the_list() -> None:
         dims(6, ep=3).check_layout(shape, ParallelOptions(seq_len=64), extra=["top_k is too large"])
     with pytest.raises(KilnError, match="needs a Mixture-of-Experts model"):
         dims(2, ep=2).check_layout(ModelShape(n_heads=4, n_kv_heads=4, n_layers=2), ParallelOptions())
+
+
+def test_summary_claims_sequence_parallel_only_for_a_plan_that_has_it() -> None:
+    """Llama's plan shards the sequence between blocks, GPT-2's (examples/) does not: the start-up
+    line says which, and nothing when it is not known (the planner)."""
+    from conftest import REPO
+
+    from components.custom_import import import_custom
+    from models.llama3.parallelize import attention_plan, feed_forward_plan
+    from parallelisms.tensor_parallel import shards_sequence, transformer_top_plan
+
+    import_custom(str(REPO / "examples" / "gpt2_model.py"))
+    import gpt2_model
+
+    llama = [*transformer_top_plan(True).values(), *attention_plan().values(), *feed_forward_plan().values()]
+    top, block = gpt2_model.gpt2_tp_plan(True)
+    assert any(map(shards_sequence, llama))
+    assert not any(map(shards_sequence, [*top.values(), *block.values()]))
+    tp2 = dims(2, shard=1, tp=2)
+    opts = ParallelOptions()
+    assert "TP 2 (sequence parallel, loss parallel on)" in tp2.describe(opts, sequence_parallel=True)
+    assert "TP 2 (no sequence parallel, loss parallel on)" in tp2.describe(opts, sequence_parallel=False)
+    assert "TP 2 (loss parallel on)" in tp2.describe(opts)

@@ -10,7 +10,7 @@ import torch
 from conftest import REPO, TINY, check_ok, run_train
 
 from models import get_model_spec
-from scripts.report import load_run, loss_differences
+from scripts.report import load_run, loss_differences, wall_time
 
 pytest.importorskip("matplotlib")
 
@@ -63,6 +63,14 @@ def test_difference_table_from_controlled_metrics(tmp_path):
     out = tmp_path / "r.html"
     check_ok(report(str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)))
     assert "<td>b</td><td>3</td><td>3.000e-02</td><td>1.000e-02</td><td>2</td>" in out.read_text()
+
+
+def test_wall_time_of_old_and_continuous_clocks():
+    continuous = [{"step": 1, "time": 10.0}, {"step": 2, "time": 20.0}, {"step": 3, "time": 30.5}]
+    assert wall_time(continuous) == 30.5
+    restarted = [{"step": 1, "time": 10.0}, {"step": 2, "time": 20.0}, {"step": 3, "time": 4.0},
+                 {"step": 3, "val_loss": 1.0, "time": 6.0}]  # an older file: each resume from 0
+    assert wall_time(restarted) == 26.0
 
 
 def test_missing_or_empty_metrics_are_clear_errors(tmp_path):

@@ -63,6 +63,10 @@ def test_outputs_match_the_contract(debug_run):
     assert " eta " in step_lines[0] and step_lines[-1].endswith("eta 0s")  # plain lines: no progress bar
     for word in ("parameters", "layout", "batch", "MFU", "peak"):
         assert word in proc.stdout.split("step ")[0]
+    end = proc.stdout.split("step 100/100")[-1]  # the end-of-run summary
+    assert "done    steps 1–100 of 100" in end and f"{100 * 8 * 128:,} tokens in all" in end
+    assert f"loss {rows[-1]['loss']:.4f} at step 100" in end and "validation loss" in end and "tok/s" in end
+    assert "peak memory" in end and f"outputs in {dump}" in end and "checkpoint.enable is off" in end
     saved = (dump / "config.toml").read_text()
     assert 'flavor = "debug"' in saved and "seq_len = 128" in saved
     assert list((dump / "tb").glob("events.out.tfevents.*"))
