@@ -9,6 +9,7 @@ import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,13 +93,17 @@ class ModelParts:
     tied_names: list[list[str]]  # the names of each weight the model uses twice (tied embeddings)
 
 
-def build_model_parts(spec: ModelSpec, args: Any, dims: ParallelDims, options: ParallelOptions) -> ModelParts:
-    """The model on the meta device, cut into this rank's pipeline stages (if any), each part
-    parallelized by the family's parallelize_fn (the mesh must be built)."""
+def build_model_parts(spec: ModelSpec, args: Any, dims: ParallelDims, options: ParallelOptions,
+                      convert: Callable[[nn.Module], None] | None = None) -> ModelParts:
+    """The model on the meta device, converted (model.converters, e.g. float8 linears), cut into this
+    rank's pipeline stages (if any), each part parallelized by the family's parallelize_fn (the mesh
+    must be built)."""
     with torch.device("meta"):
         whole = spec.model_cls(args)
     num_params = sum(p.numel() for p in whole.parameters())
     tied = shared_parameter_names(whole)
+    if convert is not None:
+        convert(whole)
     if dims.pp == 1:
         parts, ids, num_stages = [whole], [0], 1
     else:

@@ -29,6 +29,7 @@ from components.checkpoint_states import (
     TrainState,
 )
 from components.config import JobConfig, config_to_toml, load_config, resolve_path
+from components.converters import ConverterContext, after_optimizer_step, convert_model, resolve_converters
 from components.distributed import (
     DistInfo,
     exit_cleanly,
@@ -46,7 +47,7 @@ from components.loss import IGNORE_INDEX
 from components.memory_report import MemoryReport
 from components.metrics import MetricsLogger, memory_gib
 from components.moe_load import imbalance
-from components.optim import build_lr_scheduler, build_optimizer
+from components.optim import build_lr_scheduler, build_optimizer, embedding_names
 from components.parallel_options import ParallelOptions
 from components.peak_flops import peak_flops
 from components.preemption import StopRequest
@@ -72,6 +73,8 @@ class Trainer:
         self.tokenizer = self._build_tokenizer()
         self.options = ParallelOptions.from_config(cfg, info.device.type)
         self.dims = self._build_layout()
+        self.converter_ctx = ConverterContext(cfg, self.dims.fsdp_enabled, self.dims.tp > 1, info.device.type)
+        self.converters = resolve_converters(cfg.model.converters, self.converter_ctx)
         self.data = build_run_data(cfg, self.tokenizer, self.model_args.vocab_size, self.global_batch,
                                    self._data_ranks())
         # Started before the model exists: on CPU it records every tensor allocation from here on
@@ -82,7 +85,8 @@ class Trainer:
         self._build_optimizers()
         self.step = TrainStep(self.model_parts, self.optimizers, self.schedulers, StepSetup(
             self.dims, self.options, info.device, cfg.training.max_norm, self.global_batch, self.num_stages,
-            tuple(self.stage_ids), tuple(tuple(names) for names in self.tied_names)))
+            tuple(self.stage_ids), tuple(tuple(names) for names in self.tied_names),
+            lambda: after_optimizer_step(self.model_parts, self.converters, self.converter_ctx)))
         if self.memory_report is not None:
             self.memory_report.watch(self.model_parts, self.optimizers)
         self.state = TrainState()
@@ -127,7 +131,8 @@ class Trainer:
         """The model on the meta device, cut into this rank's pipeline stages, each parallelized and
         then materialised with layout-free initial weights; the loss and the step's helpers."""
         args, t = self.model_args, self.cfg.training
-        built = build_model_parts(self.spec, args, self.dims, self.options)
+        built = build_model_parts(self.spec, args, self.dims, self.options,
+                                  lambda model: convert_model(model, self.converters, self.converter_ctx))
         self.num_params, tied = built.num_params, built.tied_names
         self.tied_names = tied  # the checkpoint's optimizer state keeps one copy of a tied weight
         self.flops_per_token = self.spec.flops_per_token_fn(args, self.num_params, t.seq_len)
@@ -152,9 +157,11 @@ class Trainer:
     def _build_optimizers(self) -> None:
         """One optimizer and LR schedule per model part (pipeline stages keep separate state dicts)."""
         o, s, steps = self.cfg.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps
-        self.optimizers = [build_optimizer(part.named_parameters(), o.name, o.lr, (o.beta1, o.beta2), o.eps,
-                                           o.weight_decay,
-                                           o.implementation) for part in self.model_parts]
+        self.optimizers = [build_optimizer(
+            part.named_parameters(), o.name, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay,
+            o.implementation, exclude=o.weight_decay_exclude,
+            embeddings=embedding_names(part, self.tied_names))
+            for part in self.model_parts]
         self.schedulers = [build_lr_scheduler(
             opt, warmup_steps=s.warmup_steps, total_steps=steps, decay_ratio=s.decay_ratio,
             decay_type=s.decay_type, min_lr_factor=s.min_lr_factor) for opt in self.optimizers]
@@ -204,10 +211,20 @@ class Trainer:
         """The dtypes the layout really computes and reduces in (FSDP casts; elsewhere autocast)."""
         o, fsdp = self.options, self.dims.fsdp_enabled
         reduce = f", gradients reduced in {o.reduce_dtype}" if fsdp else ""
+        converted = "".join(f"; {self._converter_words(c.name)}" for c in self.converters)
         if o.param_dtype == "float32":
-            return f"compute float32{reduce}"
+            return f"compute float32{reduce}{converted}"
         how = "FSDP casts the float32 parameters" if fsdp else "autocast over float32 parameters"
-        return f"compute bfloat16 ({how}){reduce}"
+        return f"compute bfloat16 ({how}){reduce}{converted}"
+
+    def _converter_words(self, name: str) -> str:
+        """How the summary names a model converter (float8: its recipe and all-gather)."""
+        if name != "float8":
+            return f"converter {name}"
+        from components.float8 import fsdp_float8_all_gather
+
+        gather = ", all-gathered in float8" if fsdp_float8_all_gather(self.converter_ctx) else ""
+        return f"float8 block linears ({self.cfg.float8.recipe_name}{gather})"
 
     # ------------------------------------------------------------------ the loop
 
