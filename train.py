@@ -28,7 +28,7 @@ from components.checkpoint_states import (
     StreamingLoaderState,
     TrainState,
 )
-from components.config import JobConfig, config_to_toml, load_config, resolve_path
+from components.config import JobConfig, config_to_dict, config_to_toml, load_config, resolve_path
 from components.converters import ConverterContext, after_optimizer_step, convert_model, resolve_converters
 from components.distributed import (
     DistInfo,
@@ -56,6 +56,7 @@ from components.run_data import DataRanks, build_run_data, cache_folder
 from components.run_summary import RunFacts, startup_summary
 from components.shared_folder import unseen_by
 from components.tokenizer import Tokenizer
+from components.wandb_run import WandbOptions
 from parallelisms.materialize import materialize_and_init
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import loss_context
@@ -189,9 +190,11 @@ class Trainer:
         self.peak = local_rank_zero_first(self.info.local_rank,
                                           lambda: peak_flops(self.info.device, m.peak_tflops))
         tb = self.dump / m.save_tb_folder if m.enable_tensorboard else None
+        wandb = (WandbOptions(m.wandb_project, m.wandb_run_name, m.wandb_run_id, config_to_dict(self.cfg))
+                 if m.enable_wandb else None)
         return MetricsLogger(self.dump, is_main=self.info.is_main, device=self.info.device,
                              flops_per_token=self.flops_per_token, peak=self.peak,
-                             total_steps=self.cfg.training.steps, tensorboard_dir=tb)
+                             total_steps=self.cfg.training.steps, tensorboard_dir=tb, wandb=wandb)
 
     def summary(self) -> str:
         """The start-up lines: model, layout, batch, data, precision and the MFU peak."""

@@ -284,6 +284,14 @@ class Metrics:
     log_freq: int = _opt(10, "log metrics every N steps", _ge(1))
     enable_tensorboard: bool = _opt(False, "also write TensorBoard event files")
     save_tb_folder: str = _opt("tb", "TensorBoard folder, inside job.dump_folder")
+    enable_wandb: bool = _opt(False, "also log to Weights & Biases (the [wandb] extra; files in "
+                              "<dump_folder>/wandb, WANDB_MODE=offline to stay local)")
+    wandb_project: str = _opt("kiln", "W&B project")
+    wandb_run_name: str = _opt("", "W&B run name; '' = the dump folder's name")
+    wandb_run_id: str = _opt(
+        "", "W&B run id; '' = a new one, kept in <dump_folder>/wandb_run_id so that a resumed run "
+        "continues the same W&B run"
+    )
     peak_tflops: float = _opt(
         0.0, "peak TFLOP/s for MFU; 0 = the GPU table or a measured CPU peak", _ge(0)
     )
