@@ -28,7 +28,7 @@ from components.checkpoint_states import (
     StreamingLoaderState,
     TrainState,
 )
-from components.config import JobConfig, config_to_dict, config_to_toml, load_config, resolve_path
+from components.config import JobConfig, config_to_dict, config_to_toml, load_config
 from components.converters import ConverterContext, after_optimizer_step, convert_model, resolve_converters
 from components.distributed import (
     DistInfo,
@@ -42,6 +42,7 @@ from components.error_report import report_kiln_error, reported_elsewhere
 from components.errors import KilnError
 from components.folders import require_writable
 from components.gc_control import GarbageCollection
+from components.hub import resolve_asset
 from components.local_tensor import local_tensor
 from components.loss import IGNORE_INDEX
 from components.memory_report import MemoryReport
@@ -99,7 +100,7 @@ class Trainer:
     def _build_tokenizer(self) -> Tokenizer:
         """The tokenizer, which must fit the model's vocabulary (as training.seq_len its positions)."""
         cfg, args = self.cfg, self.model_args
-        tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
+        tokenizer = Tokenizer(resolve_asset(cfg.model.tokenizer_path, ["tokenizer"]))
         if tokenizer.vocab_size > args.vocab_size:
             raise KilnError(f"tokenizer {cfg.model.tokenizer_path} has {tokenizer.vocab_size} tokens but "
                             f"model {cfg.model.name}/{cfg.model.flavor} has a vocabulary of "
@@ -354,11 +355,11 @@ class Trainer:
             return
         if not cc.initial_load_path:
             return
-        if cc.initial_load_in_hf:
-            self.load_hf_weights(resolve_path(cc.initial_load_path))
+        if cc.initial_load_in_hf:  # a hub id: its config and weights, through the Hugging Face cache
+            self.load_hf_weights(resolve_asset(cc.initial_load_path, ["config", "weights"]))
             return
         parts = ["model"] if cc.initial_load_model_only else list(c.states)
-        loaded = c.load_from(resolve_path(cc.initial_load_path), parts)
+        loaded = c.load_from(resolve_asset(cc.initial_load_path, None), parts)
         self.say(f"started from {cc.initial_load_path} ({', '.join(loaded)})")
 
     def load_hf_weights(self, folder: Path) -> None:
