@@ -195,8 +195,9 @@ def test_float8_learns_like_bf16(tmp_path, data_cache) -> None:
     args = [*TINY[:2], "--training.seq_len", "32", "--training.local_batch_size", "4",
             "--training.global_batch_size", "4", "--training.steps", "100", "--metrics.log_freq", "1",
             "--training.mixed_precision_param", "bfloat16", "--training.data_cache_dir", str(data_cache)]
-    float8, bf16 = run_trains_side_by_side([[*args, *FLOAT8, "--job.dump_folder", str(tmp_path / "float8")],
-                                            [*args, "--job.dump_folder", str(tmp_path / "bf16")]], timeout=600)
+    runs = [[*args, *FLOAT8, "--job.dump_folder", str(tmp_path / "float8")],
+            [*args, "--job.dump_folder", str(tmp_path / "bf16")]]
+    float8, bf16 = run_trains_side_by_side(runs, timeout=600)
     check_ok(float8)
     check_ok(bf16)
     assert "float8 block linears (tensorwise)" in float8.stdout
