@@ -1,6 +1,7 @@
 """float8 training through torchao (`--model.converters float8`, the `[float8]` extra): the blocks'
-linear layers compute their matmuls in float8 with dynamic scales; the output head, linears whose
-name matches float8.filter_fqns and linears whose sides are not multiples of 16 stay as they are.
+linear layers compute their matmuls in float8 with dynamic scales; the output head, MoE routers,
+linears whose name matches float8.filter_fqns and linears whose sides are not multiples of 16 stay
+as they are.
 
 Parameters stay float32 (checkpoints stay plain, and resume with float8 on or off). With FSDP and
 the tensorwise recipe, weights are cast to float8 before FSDP's all-gather (half bf16's bytes).
@@ -43,9 +44,10 @@ def fsdp_float8_all_gather(ctx: ConverterContext) -> bool:
 
 
 def convertible(module: nn.Module, fqn: str, skip: list[str]) -> bool:
-    """A linear inside a block (model.layers), not named by float8.filter_fqns, with both sides a
-    multiple of 16 (float8 matmuls need it)."""
-    return (isinstance(module, nn.Linear) and fqn.startswith("layers.") and not any(s in fqn for s in skip)
+    """A linear inside a block (model.layers), not an MoE router (its scores choose the experts), not
+    named by float8.filter_fqns, with both sides a multiple of 16 (float8 matmuls need it)."""
+    return (isinstance(module, nn.Linear) and fqn.startswith("layers.") and ".router." not in fqn
+            and not any(s in fqn for s in skip)
             and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
 

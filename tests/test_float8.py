@@ -209,3 +209,17 @@ def test_float8_learns_like_bf16(tmp_path, data_cache) -> None:
     tail = [sum(r["loss"] for r in rows[-10:]) / 10 for rows in (f8, ref)]
     assert abs(tail[0] - tail[1]) <= 0.005 * tail[1]
     assert ref[0]["loss"] - tail[1] > 2.0 and f8[0]["loss"] - tail[0] > 2.0
+
+
+def test_float8_leaves_moe_routers_alone() -> None:
+    from models import get_model_args, get_model_spec
+
+    spec = get_model_spec("moe")
+    with torch.device("meta"):
+        model = spec.model_cls(get_model_args(spec, "tiny"))
+    ctx = _ctx()
+    convert_model(model, resolve_converters("float8", ctx), ctx)
+    linears = {n: type(m) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    routers = [n for n in linears if ".router." in n]
+    assert routers and all(linears[n] is nn.Linear for n in routers)
+    assert any(kind is Float8Linear for kind in linears.values())
