@@ -223,3 +223,19 @@ def test_float8_leaves_moe_routers_alone() -> None:
     routers = [n for n in linears if ".router." in n]
     assert routers and all(linears[n] is nn.Linear for n in routers)
     assert any(kind is Float8Linear for kind in linears.values())
+
+
+def test_float8_all_gather_refuses_float8_only_blocks_on_cpu() -> None:
+    """A block of float8 weights alone would be all-gathered as float8, which gloo cannot carry."""
+    def linears_only() -> nn.Module:
+        model = nn.Module()
+        model.layers = nn.ModuleDict({"0": nn.Sequential(nn.Linear(16, 16, bias=False))})
+        return model
+
+    ctx = _ctx(fsdp=True)
+    with pytest.raises(KilnError, match="block 0 holds float8 weights only"):
+        convert_model(linears_only(), resolve_converters("float8", ctx), ctx)
+    ctx = _ctx(fsdp=True, enable_fsdp_float8_all_gather=False)  # weights gathered in float32: fine
+    model = linears_only()
+    convert_model(model, resolve_converters("float8", ctx), ctx)
+    assert isinstance(model.layers["0"][0], Float8Linear)
