@@ -5,6 +5,7 @@ The planner runs exactly these under a fake process group, so a layout the train
 refused there with the same message, and the sizes it measures are the trainer's.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,13 +74,17 @@ class ModelParts:
     tied_names: list[list[str]]  # the names of each weight the model uses twice (tied embeddings)
 
 
-def build_model_parts(spec: ModelSpec, args: Any, dims: ParallelDims, options: ParallelOptions) -> ModelParts:
-    """The model on the meta device, cut into this rank's pipeline stages (if any), each part
-    parallelized by the family's parallelize_fn (the mesh must be built)."""
+def build_model_parts(spec: ModelSpec, args: Any, dims: ParallelDims, options: ParallelOptions,
+                      convert: Callable[[nn.Module], None] | None = None) -> ModelParts:
+    """The model on the meta device, converted (model.converters, e.g. float8 linears), cut into this
+    rank's pipeline stages (if any), each part parallelized by the family's parallelize_fn (the mesh
+    must be built)."""
     with torch.device("meta"):
         whole = spec.model_cls(args)
     num_params = sum(p.numel() for p in whole.parameters())
     tied = shared_parameter_names(whole)
+    if convert is not None:
+        convert(whole)
     if dims.pp == 1:
         parts, ids, num_stages = [whole], [0], 1
     else:

@@ -30,7 +30,8 @@ from components.checkpoint_states import (
     StreamingLoaderState,
     TrainState,
 )
-from components.config import JobConfig, config_to_toml, load_config, resolve_path
+from components.config import JobConfig, config_to_dict, config_to_toml, load_config
+from components.converters import ConverterContext, after_optimizer_step, convert_model, resolve_converters
 from components.distributed import (
     DistInfo,
     exit_cleanly,
@@ -43,12 +44,13 @@ from components.error_report import report_kiln_error, reported_elsewhere
 from components.errors import KilnError
 from components.folders import require_writable
 from components.gc_control import GarbageCollection
+from components.hub import resolve_asset
 from components.local_tensor import local_tensor
 from components.loss import IGNORE_INDEX
 from components.memory_report import MemoryReport
 from components.metrics import MetricsLogger, memory_gib
 from components.moe_load import imbalance
-from components.optim import build_lr_scheduler, build_optimizer
+from components.optim import build_lr_scheduler, build_optimizer, embedding_names
 from components.parallel_options import ParallelOptions
 from components.path_checks import check_paths
 from components.peak_flops import peak_flops
@@ -59,6 +61,7 @@ from components.run_records import keep_earlier_run
 from components.run_summary import RunEnd, RunFacts, end_summary, startup_summary
 from components.shared_folder import unseen_by
 from components.tokenizer import Tokenizer
+from components.wandb_run import WandbOptions
 from parallelisms.materialize import materialize_and_init
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import loss_context
@@ -77,6 +80,8 @@ class Trainer:
         self.tokenizer = self._build_tokenizer()
         self.options = ParallelOptions.from_config(cfg, info.device.type)
         self.dims = self._build_layout()
+        self.converter_ctx = ConverterContext(cfg, self.dims.fsdp_enabled, self.dims.tp > 1, info.device.type)
+        self.converters = resolve_converters(cfg.model.converters, self.converter_ctx)
         self.data = build_run_data(cfg, self.tokenizer, self.model_args.vocab_size, self.global_batch,
                                    self._data_ranks())
         # Started before the model exists: on CPU it records every tensor allocation from here on
@@ -87,7 +92,8 @@ class Trainer:
         self._build_optimizers()
         self.step = TrainStep(self.model_parts, self.optimizers, self.schedulers, StepSetup(
             self.dims, self.options, info.device, cfg.training.max_norm, self.global_batch, self.num_stages,
-            tuple(self.stage_ids), tuple(tuple(names) for names in self.tied_names)))
+            tuple(self.stage_ids), tuple(tuple(names) for names in self.tied_names),
+            lambda: after_optimizer_step(self.model_parts, self.converters, self.converter_ctx)))
         if self.memory_report is not None:
             self.memory_report.watch(self.model_parts, self.optimizers)
         self.state = TrainState()
@@ -100,7 +106,7 @@ class Trainer:
     def _build_tokenizer(self) -> Tokenizer:
         """The tokenizer, which must fit the model's vocabulary (as training.seq_len its positions)."""
         cfg, args = self.cfg, self.model_args
-        tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
+        tokenizer = Tokenizer(resolve_asset(cfg.model.tokenizer_path, ["tokenizer"]))
         if tokenizer.vocab_size > args.vocab_size:
             raise KilnError(f"tokenizer {cfg.model.tokenizer_path} has {tokenizer.vocab_size} tokens but "
                             f"model {cfg.model.name}/{cfg.model.flavor} has a vocabulary of "
@@ -133,7 +139,8 @@ class Trainer:
         """The model on the meta device, cut into this rank's pipeline stages, each parallelized and
         then materialised with layout-free initial weights; the loss and the step's helpers."""
         args, t = self.model_args, self.cfg.training
-        built = build_model_parts(self.spec, args, self.dims, self.options)
+        built = build_model_parts(self.spec, args, self.dims, self.options,
+                                  lambda model: convert_model(model, self.converters, self.converter_ctx))
         self.num_params, tied = built.num_params, built.tied_names
         self.tied_names = tied  # the checkpoint's optimizer state keeps one copy of a tied weight
         self.flops_per_token = self.spec.flops_per_token_fn(args, self.num_params, t.seq_len)
@@ -158,9 +165,11 @@ class Trainer:
     def _build_optimizers(self) -> None:
         """One optimizer and LR schedule per model part (pipeline stages keep separate state dicts)."""
         o, s, steps = self.cfg.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps
-        self.optimizers = [build_optimizer(part.named_parameters(), o.name, o.lr, (o.beta1, o.beta2), o.eps,
-                                           o.weight_decay,
-                                           o.implementation) for part in self.model_parts]
+        self.optimizers = [build_optimizer(
+            part.named_parameters(), o.name, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay,
+            o.implementation, exclude=o.weight_decay_exclude,
+            embeddings=embedding_names(part, self.tied_names))
+            for part in self.model_parts]
         self.schedulers = [build_lr_scheduler(
             opt, warmup_steps=s.warmup_steps, total_steps=steps, decay_ratio=s.decay_ratio,
             decay_type=s.decay_type, min_lr_factor=s.min_lr_factor) for opt in self.optimizers]
@@ -188,9 +197,11 @@ class Trainer:
         self.peak = local_rank_zero_first(self.info.local_rank,
                                           lambda: peak_flops(self.info.device, m.peak_tflops))
         tb = self.dump / m.save_tb_folder if m.enable_tensorboard else None
+        wandb = (WandbOptions(m.wandb_project, m.wandb_run_name, m.wandb_run_id, config_to_dict(self.cfg))
+                 if m.enable_wandb else None)
         return MetricsLogger(self.dump, is_main=self.info.is_main, device=self.info.device,
                              flops_per_token=self.flops_per_token, peak=self.peak,
-                             total_steps=self.cfg.training.steps, tensorboard_dir=tb)
+                             total_steps=self.cfg.training.steps, tensorboard_dir=tb, wandb=wandb)
 
     def summary(self) -> str:
         """The start-up lines: model, layout, batch, data, precision and the MFU peak."""
@@ -212,10 +223,20 @@ class Trainer:
         """The dtypes the layout really computes and reduces in (FSDP casts; elsewhere autocast)."""
         o, fsdp = self.options, self.dims.data_parallel_enabled
         reduce = f", gradients reduced in {o.reduce_dtype}" if fsdp else ""
+        converted = "".join(f"; {self._converter_words(c.name)}" for c in self.converters)
         if o.param_dtype == "float32":
-            return f"compute float32{reduce}"
+            return f"compute float32{reduce}{converted}"
         how = "FSDP casts the float32 parameters" if fsdp else "autocast over float32 parameters"
-        return f"compute bfloat16 ({how}){reduce}"
+        return f"compute bfloat16 ({how}){reduce}{converted}"
+
+    def _converter_words(self, name: str) -> str:
+        """How the summary names a model converter (float8: its recipe and all-gather)."""
+        if name != "float8":
+            return f"converter {name}"
+        from components.float8 import fsdp_float8_all_gather
+
+        gather = ", all-gathered in float8" if fsdp_float8_all_gather(self.converter_ctx) else ""
+        return f"float8 block linears ({self.cfg.float8.recipe_name}{gather})"
 
     # ------------------------------------------------------------------ the loop
 
@@ -377,11 +398,11 @@ class Trainer:
             return True
         if not cc.initial_load_path:
             return False
-        if cc.initial_load_in_hf:
-            self.load_hf_weights(resolve_path(cc.initial_load_path))
+        if cc.initial_load_in_hf:  # a hub id: its config and weights, through the Hugging Face cache
+            self.load_hf_weights(resolve_asset(cc.initial_load_path, ["config", "weights"]))
             return False
         parts = ["model"] if cc.initial_load_model_only else list(c.states)
-        loaded = c.load_from(resolve_path(cc.initial_load_path), parts)
+        loaded = c.load_from(resolve_asset(cc.initial_load_path, None), parts)
         self.say(f"started from {cc.initial_load_path} ({', '.join(loaded)})")
         return False
 

@@ -40,6 +40,7 @@ class StepSetup:
     num_stages: int = 1
     stage_ids: tuple[int, ...] = (0,)
     tied_names: tuple[tuple[str, ...], ...] = ()
+    after_optimizer_step: Callable[[], None] | None = None  # the model converters' hook (float8 scales)
 
 
 class TrainStep:
@@ -51,6 +52,7 @@ class TrainStep:
         dims, options = setup.dims, setup.options
         self.parts, self.optimizers, self.schedulers = parts, optimizers, schedulers
         self.dims, self.device, self.max_norm = dims, setup.device, setup.max_norm
+        self.after_optimizer_step = setup.after_optimizer_step
         # Ranks that hold different tokens of a step (data and context parallel): losses and token
         # counts are summed over them.
         loss_mesh, cp_mesh = dims.mesh("dp_cp"), dims.mesh("cp")
@@ -141,6 +143,8 @@ class TrainStep:
                                    counted_elsewhere=self.tied.second_copies if self.tied is not None else [])
         for opt in self.optimizers:
             opt.step()
+        if self.after_optimizer_step is not None:
+            self.after_optimizer_step()
         self.expert_load = self.balance_experts()
         for sched in self.schedulers:
             sched.step()

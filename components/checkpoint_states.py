@@ -16,7 +16,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from components.errors import KilnError
 
@@ -35,6 +37,32 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+def plain_tensor(value: Any) -> Any:
+    """A tensor as a plain tensor (or a DTensor of plain local tensors), sharing its storage: wrapper
+    subclasses that only hold one tensor of the same shape (torchao's float8 all-gather weights, and
+    the optimizer states made like them) are unwrapped, so checkpoints hold plain tensors and load
+    with float8 on or off. Anything else is returned as it is."""
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        plain = plain_tensor(local)
+        if plain is local:
+            return value
+        return DTensor.from_local(plain, value.device_mesh, value.placements, shape=value.shape,
+                                  stride=value.stride())
+    if not isinstance(value, torch.Tensor) or type(value) in (torch.Tensor, nn.Parameter):
+        return value
+    if is_traceable_wrapper_subclass(value):
+        names, _ = value.__tensor_flatten__()
+        inner = getattr(value, names[0])
+        if inner.shape == value.shape and inner.dtype == value.dtype:
+            return plain_tensor(inner)
+    return value
+
+
+def _plain_values(state: dict) -> dict:
+    return {key: plain_tensor(value) for key, value in state.items()}
+
+
 class ModelState(Stateful):
     """All model parts (several with pipeline parallel) as one dict keyed by plain parameter names."""
 
@@ -45,7 +73,7 @@ class ModelState(Stateful):
         merged: dict[str, torch.Tensor] = {}
         for part in self.parts:
             merged.update(get_model_state_dict(part))
-        return merged
+        return _plain_values(merged)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for part in self.parts:
@@ -72,7 +100,7 @@ class OptimizerState(Stateful):
         for part, opt in self.pairs:
             state = get_optimizer_state_dict(part, opt, options=self._OPTIONS)
             merged.update(_renamed(state, self.aliases))
-        return merged
+        return _plain_values(merged)
 
     def load_state_dict(self, state: dict) -> None:
         for part, opt in self.pairs:

@@ -79,7 +79,28 @@ class Model:
     name: str = _opt("llama3", "registered model name")
     flavor: str = _opt("debug", "size preset of the model")
     tokenizer_path: str = _opt("assets/tokenizer/tokenizer.json",
-                               "Hugging Face tokenizer.json, or a folder of HF tokenizer files")
+                               "Hugging Face tokenizer.json, a folder of HF tokenizer files, or a hub id "
+                               "(owner/name, resolved through the Hugging Face cache)")
+    converters: str = _opt(
+        "", "comma-separated model converters applied before parallelizing, e.g. 'float8' (the [float8] "
+        "extra); more can be registered with components.converters.register_model_converter"
+    )
+
+
+@dataclass
+class Float8:
+    """float8 linears through torchao (with model.converters float8)."""
+
+    recipe_name: Literal["tensorwise", "rowwise"] = _opt(
+        "tensorwise", "scaling: one scale per tensor, or one per row (rowwise: no float8 all-gather)"
+    )
+    filter_fqns: str = _opt(
+        "", "comma-separated name fragments of block linears to keep in high precision, e.g. 'w2,wo' "
+        "(the output head and linears with sides not divisible by 16 always are)"
+    )
+    enable_fsdp_float8_all_gather: bool = _opt(
+        True, "with FSDP and tensorwise: all-gather the weights in float8 (cast before the all-gather)"
+    )
 
 
 @dataclass
@@ -138,6 +159,10 @@ class Optimizer:
     beta2: float = _opt(0.95, "decay of the second-moment average", _between(0, 1, open_high=True))
     eps: float = _opt(1e-8, "added to the denominator for numerical stability", _ge(0))
     weight_decay: float = _opt(0.1, "weight decay coefficient", _ge(0))
+    weight_decay_exclude: str = _opt(
+        "norms,biases", "comma-separated kinds of parameters trained without weight decay: norms (every "
+        "1-D weight), biases, embeddings (and a head tied to them); '' = decay everything"
+    )
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = _opt(
         "auto", "torch.optim kernel; auto lets torch pick"
     )
@@ -259,6 +284,14 @@ class Metrics:
     log_freq: int = _opt(10, "log metrics every N steps", _ge(1))
     enable_tensorboard: bool = _opt(False, "also write TensorBoard event files")
     save_tb_folder: str = _opt("tb", "TensorBoard folder, inside job.dump_folder")
+    enable_wandb: bool = _opt(False, "also log to Weights & Biases (the [wandb] extra; files in "
+                              "<dump_folder>/wandb, WANDB_MODE=offline to stay local)")
+    wandb_project: str = _opt("kiln", "W&B project")
+    wandb_run_name: str = _opt("", "W&B run name; '' = the dump folder's name")
+    wandb_run_id: str = _opt(
+        "", "W&B run id; '' = a new one, kept in <dump_folder>/wandb_run_id so that a resumed run "
+        "continues the same W&B run"
+    )
     peak_tflops: float = _opt(
         0.0, "peak TFLOP/s for MFU; 0 = the GPU table or a measured CPU peak", _ge(0)
     )
@@ -312,6 +345,7 @@ class JobConfig:
 
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
+    float8: Float8 = field(default_factory=Float8)
     training: Training = field(default_factory=Training)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)

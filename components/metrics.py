@@ -1,4 +1,4 @@
-"""Console lines, metrics.jsonl and TensorBoard; tokens/s, TFLOP/s, MFU and memory per step."""
+"""Console lines, metrics.jsonl, TensorBoard and W&B; tokens/s, TFLOP/s, MFU and memory per step."""
 
 import json
 import math
@@ -12,6 +12,7 @@ import torch
 
 from components.folders import require_writable
 from components.peak_flops import PeakFlops, raise_peak
+from components.wandb_run import WandbOptions, start_wandb_run
 
 
 def memory_gib(device: torch.device) -> float:
@@ -38,7 +39,7 @@ def last_time(path: Path) -> float:
 
 
 class MetricsLogger:
-    """Turns per-step numbers into a console line, a metrics.jsonl row and TensorBoard scalars.
+    """Turns per-step numbers into a console line, a metrics.jsonl row and TensorBoard/W&B scalars.
 
     Throughput is measured between logged steps: tokens processed per device per second.
     Only the main rank writes; other ranks keep timing so their numbers would agree.
@@ -46,7 +47,8 @@ class MetricsLogger:
 
     def __init__(self, dump_folder: Path, *, is_main: bool, device: torch.device,
                  flops_per_token: int, peak: PeakFlops, total_steps: int,
-                 tensorboard_dir: Path | None = None, terminal: bool | None = None) -> None:
+                 tensorboard_dir: Path | None = None, terminal: bool | None = None,
+                 wandb: WandbOptions | None = None) -> None:
         self.is_main = is_main
         # A progress bar only where a person watches; CI logs and files get plain lines.
         self.terminal = sys.stdout.isatty() if terminal is None else terminal
@@ -65,6 +67,7 @@ class MetricsLogger:
         self._writer = None
         self._file = None
         self._tensorboard_dir = tensorboard_dir
+        self._wandb_options, self._wandb = wandb, None
         if is_main:  # fail at start-up, not at the first logged step, if the folder is unusable
             require_writable(self.path.parent, "job.dump_folder")
 
@@ -81,6 +84,8 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=str(self._tensorboard_dir))
+        if self._wandb_options is not None:
+            self._wandb = start_wandb_run(self.path.parent, self._wandb_options, resumed=append)
 
     def count_tokens(self, tokens_per_device: int) -> None:
         """Add the tokens this device processed in a step (called every step)."""
@@ -164,16 +169,27 @@ class MetricsLogger:
 
     def _write(self, row: dict) -> None:
         self._file.write(json.dumps(row) + "\n")
+        values = scalars(row)
         if self._writer is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._writer.add_scalar(key, value, row["step"])
-                elif key == "moe_imbalance":
-                    for layer, ratio in value.items():
-                        self._writer.add_scalar(f"moe_imbalance/layer_{layer}", ratio, row["step"])
+            for key, value in values.items():
+                self._writer.add_scalar(key, value, row["step"])
+        if self._wandb is not None:
+            self._wandb.log(values, step=row["step"])
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             if self._writer is not None:
                 self._writer.close()
+            if self._wandb is not None:
+                self._wandb.finish()
+
+
+def scalars(row: dict) -> dict[str, float]:
+    """The scalars of a metrics row, as TensorBoard and W&B get them: every number but the step, and
+    the MoE imbalance per layer."""
+    out = {key: value for key, value in row.items()
+           if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    for layer, ratio in row.get("moe_imbalance", {}).items():
+        out[f"moe_imbalance/layer_{layer}"] = ratio
+    return out

@@ -28,6 +28,7 @@ class ParallelOptions:
     pp_microbatch_size: int = 1
     pp_layers_per_stage: int = -1
     pp_stage_layers: str = ""
+    float8: bool = False  # the blocks' linears are torchao float8 linears (TP takes torchao's float8 styles)
 
     @classmethod
     def from_config(cls, cfg: JobConfig, device_type: str) -> "ParallelOptions":
@@ -44,4 +45,5 @@ class ParallelOptions:
             pp_schedule=p.pipeline_parallel_schedule, pp_microbatch_size=p.pipeline_parallel_microbatch_size,
             pp_layers_per_stage=p.pipeline_parallel_layers_per_stage,
             pp_stage_layers=p.pipeline_parallel_stage_layers,
+            float8="float8" in {n.strip() for n in cfg.model.converters.split(",")},
         )

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from components.config import JobConfig, resolve_path
 from components.errors import KilnError
+from components.hub import is_hub_id
 
 
 def check_paths(cfg: JobConfig) -> None:
@@ -28,8 +29,11 @@ def path_problems(cfg: JobConfig) -> list[str]:
         out.append(_output_problem(Path(cfg.training.data_cache_dir), "training.data_cache_dir"))
     if c.enable or c.create_seed_checkpoint:
         out.append(_output_problem(dump / c.folder, "checkpoint.folder"))
-    out.append(_tokenizer_problem(cfg.model.tokenizer_path))
-    if c.initial_load_path:
+    # A hub id (owner/name, not a local path) is resolved through the Hugging Face cache, which
+    # says itself what is missing (components/hub.py).
+    if not is_hub_id(cfg.model.tokenizer_path):
+        out.append(_tokenizer_problem(cfg.model.tokenizer_path))
+    if c.initial_load_path and not is_hub_id(c.initial_load_path):
         out.append(_initial_load_problem(c.initial_load_path, c.initial_load_in_hf))
     return [p for p in out if p]
 

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -37,6 +38,20 @@ def transformer_top_plan(shard_logits: bool) -> dict[str, ParallelStyle]:
             use_local_output=not shard_logits,
         ),
     }
+
+
+def linear_styles(float8: bool) -> tuple[type, type, type]:
+    """(column-wise, row-wise, prepare-input) styles for a block's linears: torch's, or with float8
+    linears torchao's float8 twins, which cast before the collectives so they move float8 bytes."""
+    if not float8:
+        return ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, top_plan: dict[str, ParallelStyle],

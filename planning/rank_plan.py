@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from builders import ModelParts, build_layout, build_model_parts
 from components.config import JobConfig
+from components.errors import KilnError
 from components.local_tensor import local_tensor
 from components.memory_report import state_bytes
 from components.optim import build_lr_scheduler, build_optimizer
@@ -213,6 +214,9 @@ def plan_rank(cfg: JobConfig, spec: ModelSpec, args: Any, options: ParallelOptio
     steps (without the optimizer: one forward/backward, for another activation-checkpoint mode);
     raises the trainer's KilnError for a layout it would refuse."""
     start = time.perf_counter()
+    if cfg.model.converters:
+        raise KilnError(f"the planner does not plan model.converters ({cfg.model.converters}) yet: it "
+                        "would measure the unconverted model; plan without them")
     dims, global_batch = build_layout(cfg, spec, args, world_size, options, device_type)
     build_options = dataclasses.replace(options, device_type="cpu")  # the fake tensors live on cpu
     with fake_world(world_size, rank):

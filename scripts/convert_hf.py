@@ -28,9 +28,10 @@ from torch import nn  # noqa: E402
 
 from components.checkpoint import EXPORT_DTYPES, check_model_matches, load_model_weights  # noqa: E402
 from components.checkpoint_states import ModelState  # noqa: E402
-from components.config import JobConfig, load_config, resolve_path  # noqa: E402
+from components.config import JobConfig, load_config  # noqa: E402
 from components.errors import KilnError  # noqa: E402
 from components.hf_io import kiln_state_from_hf, save_hf_folder  # noqa: E402
+from components.hub import resolve_asset  # noqa: E402
 from components.tokenizer import Tokenizer  # noqa: E402
 from models import UnknownModelError, build_plain_model  # noqa: E402
 
@@ -62,7 +63,7 @@ def to_hf(cfg: JobConfig, checkpoint: Path, out: Path, dtype: torch.dtype) -> No
     if not (checkpoint / ".metadata").is_file():
         raise KilnError(f"{checkpoint} is not a complete DCP checkpoint (no .metadata)")
     tmp = fresh_folder(out)
-    tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
+    tokenizer = Tokenizer(resolve_asset(cfg.model.tokenizer_path, ["tokenizer"]))
     model, adapter = build_model(cfg)
     load_model_weights(model, checkpoint)
     save_hf_folder(tmp, adapter.to_hf(model.state_dict()),

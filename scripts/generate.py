@@ -23,9 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from components.checkpoint import load_model_weights  # noqa: E402
-from components.config import load_config, resolve_path  # noqa: E402
+from components.config import load_config  # noqa: E402
 from components.errors import KilnError  # noqa: E402
 from components.generation import generate  # noqa: E402
+from components.hub import resolve_asset  # noqa: E402
 from components.tokenizer import Tokenizer  # noqa: E402
 from models import UnknownModelError, build_plain_model  # noqa: E402
 
@@ -70,7 +71,7 @@ def main(argv: list[str]) -> int:
         except UnknownModelError as e:
             raise KilnError(str(e)) from None
         load_model_weights(model, opts.checkpoint)
-        tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
+        tokenizer = Tokenizer(resolve_asset(cfg.model.tokenizer_path, ["tokenizer"]))
         prompt = tokenizer.encode(opts.prompt, bos=True)
         print(opts.prompt, end="", flush=True)
         generate(model, prompt, opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,

@@ -50,11 +50,12 @@ def run_train(args: list[str], nproc: int = 1, *, script: str = "train.py", time
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def run_trains_side_by_side(runs: list[list[str]], timeout: int = 300) -> list[subprocess.CompletedProcess]:
+def run_trains_side_by_side(runs: list[list[str]], timeout: int = 300,
+                            extra_env: dict | None = None) -> list[subprocess.CompletedProcess]:
     """Several independent one-process runs at once (one core each), so a long fixture takes the
     time of its slowest run rather than the sum."""
     with ThreadPoolExecutor(len(runs)) as pool:
-        return list(pool.map(lambda args: run_train(args, timeout=timeout), runs))
+        return list(pool.map(lambda args: run_train(args, timeout=timeout, extra_env=extra_env), runs))
 
 
 def read_metrics(dump: Path) -> list[dict]:

@@ -123,6 +123,8 @@ def test_dump_folder_that_is_a_file_is_one_line(tmp_path):
     """The whole trainer, as a user meets it: one line, no NotADirectoryError from the data cache."""
     (tmp_path / "a_file").write_text("x")
     fails_with(run_train([*TINY, "--job.dump_folder", str(tmp_path / "a_file")]), "job.dump_folder", "a file")
+
+
 def test_kiln_error_under_run_train_sh_is_not_followed_by_torchrun_report(tmp_path):
     """scripts/run_train.sh's launcher ends Kiln's one line with one line of its own, exit 2."""
     env = dict(os.environ, OMP_NUM_THREADS="1", NGPU="2", PYTHON=sys.executable)

@@ -128,3 +128,48 @@ def test_fused_adamw_matches_foreach_on_cpu() -> None:
             opt.zero_grad()
     assert (models[0].weight - start).abs().max() > 1e-3  # the steps moved the weights
     torch.testing.assert_close(models[0].weight, models[1].weight, rtol=1e-6, atol=1e-7)
+
+
+def _groups_by_name(model: nn.Module, exclude: str) -> tuple[set[str], set[str]]:
+    """(decayed names, excluded names) of the optimizer build_optimizer makes for model."""
+    from components.optim import embedding_names
+
+    opt = build_optimizer(model.named_parameters(), "AdamW", 1e-3, (0.9, 0.95), 1e-8, 0.1, "for-loop",
+                          exclude=exclude, embeddings=embedding_names(model))
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    by_decay = {g["weight_decay"]: {name_of[id(p)] for p in g["params"]} for g in opt.param_groups}
+    return by_decay.get(0.1, set()), by_decay.get(0.0, set())
+
+
+def test_weight_decay_exclude_groups_by_kind() -> None:
+    from conftest import tiny_llama
+
+    model = tiny_llama()
+    decayed, kept = _groups_by_name(model, "norms,biases,embeddings")
+    assert kept == {n for n in dict(model.named_parameters()) if "norm" in n} | {"tok_embeddings.weight"}
+    assert "output.weight" in decayed and "layers.0.attention.wq.weight" in decayed
+    assert all(p.ndim == 2 for n, p in model.named_parameters() if n in decayed)
+    decayed, kept = _groups_by_name(model, "")
+    assert kept == set() and decayed == set(dict(model.named_parameters()))
+    _, kept = _groups_by_name(model, "embeddings")
+    assert kept == {"tok_embeddings.weight"}
+
+
+def test_weight_decay_exclude_leaves_excluded_weights_undecayed() -> None:
+    """With zero gradients AdamW only decays: excluded parameters stay put, the others shrink by lr·wd."""
+    layer = nn.Sequential(nn.Embedding(8, 4), nn.LayerNorm(4), nn.Linear(4, 4))
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    opt = build_optimizer(layer.named_parameters(), "AdamW", 0.5, (0.9, 0.95), 1e-8, 0.1, "for-loop",
+                          exclude="norms,biases")
+    for p in layer.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for name, p in layer.named_parameters():
+        factor = 1.0 if name in ("1.weight", "1.bias", "2.bias") else 1 - 0.5 * 0.1
+        torch.testing.assert_close(p.detach(), before[name] * factor, rtol=0, atol=1e-7)
+
+
+def test_weight_decay_exclude_unknown_kind() -> None:
+    with pytest.raises(KilnError, match="unknown kind.*norm.*choose from norms, biases, embeddings"):
+        build_optimizer([("w", nn.Parameter(torch.ones(2)))], "AdamW", 1e-3, (0.9, 0.95), 1e-8, 0.1,
+                        "for-loop", exclude="norm")

@@ -65,8 +65,8 @@ def check_moe(args: MoEModelArgs, dims: ParallelDims) -> list[str]:
 def parallelize_moe(model: nn.Module, dims: ParallelDims, options: ParallelOptions) -> nn.Module:
     """TP → EP → CP → AC → compile → FSDP (experts over what EP leaves of dp_shard × cp)."""
     moes = [m for _, m in moe_layers([model])]
-    dense_block = attention_plan() | feed_forward_plan()
-    moe_block = attention_plan() | (moe_tp_plan_with_ep() if dims.ep > 1 else moe_tp_plan())
+    dense_block = attention_plan(options.float8) | feed_forward_plan(options.float8)
+    moe_block = attention_plan(options.float8) | (moe_tp_plan_with_ep() if dims.ep > 1 else moe_tp_plan())
     tensor_parallelize(model, dims, options,
                        lambda block: moe_block if getattr(block, "moe_enabled", False) else dense_block)
     if dims.tp > 1 and dims.ep == 1:
