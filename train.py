@@ -244,7 +244,7 @@ class Trainer:
         """The loop: batch → step → metrics → validation → checkpoint, until training.steps."""
         cfg, t, st = self.cfg, self.cfg.training, self.state
         self.say(self.summary())
-        resumed = self.restore()
+        resumed = self.restore() and st.step > 0  # a seed checkpoint (step-0) starts a new run
         if st.step >= t.steps:
             self.say(f"nothing to do: the run already reached step {st.step} (training.steps = {t.steps}); "
                      "raise training.steps to train further")

@@ -135,9 +135,9 @@ def model_size(config: dict) -> str:
         from models import get_model_args, get_model_spec
 
         if config.get("job", {}).get("custom_import"):
-            import importlib
+            from components.custom_import import import_custom
 
-            importlib.import_module(config["job"]["custom_import"])
+            import_custom(config["job"]["custom_import"])
         spec = get_model_spec(model.get("name", ""))
         args = get_model_args(spec, model.get("flavor", ""))
         with torch.device("meta"):
