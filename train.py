@@ -340,6 +340,7 @@ class Trainer:
             self.load_hf_weights(resolve_path(cc.initial_load_path))
             return
         parts = ["model"] if cc.initial_load_model_only else list(c.states)
+        c.require_intact(resolve_path(cc.initial_load_path), "checkpoint.initial_load_path")
         loaded = c.load_from(resolve_path(cc.initial_load_path), parts)
         self.say(f"started from {cc.initial_load_path} ({', '.join(loaded)})")
 
