@@ -273,7 +273,7 @@ class Trainer:
                 if st.step % cfg.metrics.log_freq == 0 or last:
                     loss = self.global_mean(loss_sum, local_tokens)
                     self.metrics.log_step(st.step, loss, grad_norm.item(), lr, st.tokens_seen,
-                                          self.moe_metrics())
+                                          {"loss_tokens": self.last_count, **self.moe_metrics()})
                 if cfg.validation.enable and (st.step % cfg.validation.freq == 0 or last):
                     self.validate()
                 preempted = stop.agreed(self.info.device)
@@ -336,15 +336,16 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def global_mean(self, total: torch.Tensor, count: torch.Tensor) -> float:
-        """sum(total) / sum(count) over the data- and context-parallel ranks."""
+        """sum(total) / sum(count) over the data- and context-parallel ranks; the global count is
+        kept as last_count (the tokens the loss really averaged over, logged as loss_tokens)."""
         both = torch.stack([total.double(), count.double()])
         if self.step.loss_group is not None:
             dist.all_reduce(both, group=self.step.loss_group)
-        mean = both[0] / both[1]
         if self.step.pipeline is not None:  # only the last stage has the loss: share it along the pipeline
-            mean = mean if self.step.pipeline.has_last else torch.zeros_like(mean)
-            dist.all_reduce(mean, group=self.dims.mesh("pp").get_group())
-        return mean.item()
+            both = both if self.step.pipeline.has_last else torch.zeros_like(both)
+            dist.all_reduce(both, group=self.dims.mesh("pp").get_group())
+        self.last_count = int(both[1].item())
+        return (both[0] / both[1]).item()
 
     def moe_metrics(self) -> dict:
         """This step's tokens per expert and max/mean imbalance of every MoE layer (all stages)."""
@@ -402,7 +403,9 @@ class Trainer:
             self.load_hf_weights(resolve_asset(cc.initial_load_path, ["config", "weights"]))
             return False
         parts = ["model"] if cc.initial_load_model_only else list(c.states)
-        loaded = c.load_from(resolve_asset(cc.initial_load_path, None), parts)
+        source = resolve_asset(cc.initial_load_path, None)
+        c.require_intact(source, "checkpoint.initial_load_path")
+        loaded = c.load_from(source, parts)
         self.say(f"started from {cc.initial_load_path} ({', '.join(loaded)})")
         return False
 

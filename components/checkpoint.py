@@ -158,6 +158,14 @@ class CheckpointManager:
         self.load_from(self.folder / f"step-{step}", parts=[p for p in PARTS if p not in self.exclude])
         return step
 
+    def require_intact(self, path: Path, what: str) -> None:
+        """Refuse a damaged checkpoint (the main rank reads it once and tells the others)."""
+        problem = [checkpoint_problem(path) if self.is_main else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(problem, src=0)
+        if problem[0]:
+            raise KilnError(f"{what} {path} is damaged: {problem[0]}")
+
     def _choose(self) -> tuple[int | None, str | None]:
         """(step to resume from or None, error message or None), from the main rank's view."""
         found = complete_checkpoints(self.folder)
@@ -329,6 +337,9 @@ def load_model_weights(model: torch.nn.Module, checkpoint: Path) -> None:
     checkpoint = Path(checkpoint)
     if not (checkpoint / ".metadata").is_file():
         raise KilnError(f"{checkpoint} is not a complete DCP checkpoint (no .metadata)")
+    problem = checkpoint_problem(checkpoint)
+    if problem:
+        raise KilnError(f"checkpoint {checkpoint} is damaged: {problem}")
     state = ModelState([model])
     check_model_matches(state.state_dict(), checkpoint_shapes(checkpoint), checkpoint)
     try:

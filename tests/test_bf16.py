@@ -5,7 +5,8 @@ Where FSDP shards the parameters it casts them to bf16 for compute; every other 
 forward under autocast over fp32 parameters. bf16 keeps 8 significant bits (rounding up to 2^-9 ≈
 2e-3 relative per operation), so layouts that sum in another order agree to that rounding, not to
 fp32's. Measured on the tiny model over 10 steps against one process in bf16 (autocast):
-- autocast layouts (TP 2, PP 2, DDP 2): loss within 2e-5, grad norm within 4.3e-4 relative;
+- autocast layouts (TP 2, PP 2; DDP 2 too while it was torch's replicate — it now casts like FSDP):
+  loss within 2e-5, grad norm within 4.3e-4 relative;
 - parameter-casting layouts (FSDP 2, CP 2 folded into FSDP, EP 2 with FSDP): loss within 3e-4 and
   grad norm within 1.8e-3, since norms and residual adds also run in bf16 there.
 The tolerances below are about 3× those; a layout that scales gradients wrongly or drops a

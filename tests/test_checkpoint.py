@@ -352,3 +352,11 @@ def test_damaged_newest_checkpoint_is_skipped_and_load_step_of_it_refused(single
     # The new step-20 replaced the damaged one, which is kept aside, no longer a checkpoint.
     assert checkpoint_problem(run / "checkpoint" / "step-20") is None
     assert (run / "checkpoint" / "step-20.damaged").is_dir()
+
+
+def test_damaged_initial_load_path_is_refused(single, tmp_path, data_cache):
+    source = tmp_path / "source" / "step-10"
+    shutil.copytree(single / "checkpoint" / "step-10", source)
+    _damage(source, "flipped")
+    run = args_for(tmp_path / "run", data_cache, "--checkpoint.initial_load_path", str(source))
+    fails_with(run_train(run), "checkpoint.initial_load_path", "is damaged", "CRC-32")

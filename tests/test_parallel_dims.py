@@ -1,5 +1,7 @@
 """Tests ParallelDims: -1 resolution, impossible layouts named, derived flags, no mesh at 1."""
 
+import dataclasses
+
 import pytest
 
 from components.errors import KilnError
@@ -152,3 +154,15 @@ def test_summary_claims_sequence_parallel_only_for_a_plan_that_has_it() -> None:
     assert "TP 2 (sequence parallel, loss parallel on)" in tp2.describe(opts, sequence_parallel=True)
     assert "TP 2 (no sequence parallel, loss parallel on)" in tp2.describe(opts, sequence_parallel=False)
     assert "TP 2 (loss parallel on)" in tp2.describe(opts)
+
+
+def test_llama_tp_must_divide_the_feed_forward() -> None:
+    """A 256-unit feed-forward cannot be split over 3 TP ranks (the row-wise projection would get
+    uneven shards): refused with the numbers; 264 units can."""
+    from models import get_model_spec
+
+    spec = get_model_spec("llama3")
+    args = dataclasses.replace(spec.flavors["tiny"], dim=96, n_heads=3, n_kv_heads=3, vocab_size=4098)
+    problems = spec.check_fn(args, dims(3, shard=1, tp=3))
+    assert len(problems) == 1 and "feed-forward hidden size 256" in problems[0], problems
+    assert spec.check_fn(dataclasses.replace(args, multiple_of=24), dims(3, shard=1, tp=3)) == []

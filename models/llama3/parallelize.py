@@ -1,11 +1,14 @@
 """Llama 3's tensor-parallel plan; every other parallelism comes in the shared order of
 parallelisms/compose.py."""
 
+from typing import Any
+
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from components.parallel_options import ParallelOptions
+from models.common.feed_forward import swiglu_hidden_dim
 from parallelisms.compose import finish_parallelize, tensor_parallelize
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import linear_styles
@@ -44,3 +47,15 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, options: ParallelOpt
     block = attention_plan(options.float8) | feed_forward_plan(options.float8)
     tensor_parallelize(model, dims, options, lambda _: block)
     return finish_parallelize(model, dims, options)
+
+
+def check_llama(args: Any, dims: ParallelDims) -> list[str]:
+    """The Llama family's own check (ModelSpec.check_fn): TP splits the feed-forward's hidden units
+    evenly, or the row-wise projection would get another width than its weight (uneven DTensor
+    shards)."""
+    hidden = swiglu_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier)
+    if dims.tp > 1 and hidden % dims.tp:
+        return [f"tensor_parallel_degree {dims.tp} must divide the feed-forward hidden size {hidden} "
+                f"(from dim {args.dim}, multiple_of {args.multiple_of}, ffn_dim_multiplier "
+                f"{args.ffn_dim_multiplier})"]
+    return []

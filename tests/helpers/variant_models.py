@@ -5,7 +5,8 @@
 - "llama3_4l": the tiny Llama with 4 layers, so pipeline tests have a layer for every stage.
 - "llama3_tied_4l": the same, tied, for pipeline stages that share the embedding.
 - "llama3_odd": dim 96, 3 heads, 5 layers, a 4098-token vocabulary (seq 60 in tests): uneven FSDP
-  shards that need padding (a 256-row feed-forward over 3 ranks), uneven pipeline stages, TP 3.
+  shards that need padding (a 256-row feed-forward over 3 ranks), uneven pipeline stages.
+- "llama3_odd_tp": the same with a 264-unit feed-forward, which TP 3 can split (256 it refuses).
 - "moe_variant", "moe_2experts": see below.
 """
 
@@ -26,6 +27,7 @@ _register("small_vocab", vocab_size=1000)
 _register("llama3_4l", n_layers=4)
 _register("llama3_tied_4l", tie_embeddings=True, n_layers=4)
 _register("llama3_odd", dim=96, n_heads=3, n_kv_heads=3, n_layers=5, vocab_size=4098)
+_register("llama3_odd_tp", dim=96, n_heads=3, n_kv_heads=3, n_layers=5, vocab_size=4098, multiple_of=24)
 
 # "moe_variant": the tiny MoE with a dense first block, sigmoid scores renormalised and scaled,
 # and the auxiliary load-balancing loss on (besides the expert bias).
