@@ -212,8 +212,6 @@ class StepTracker(TorchDispatchMode):
             return NotImplemented  # let DTensor turn itself into local ops first; those are counted
         kwargs = kwargs or {}
         ours = not self._propagating and active_fake_mode() is self.fake_mode
-        if ours and self.device_type == "cpu" and func.overloadpacket in _CASTING_REDUCTIONS:
-            self._reduction_cast(func, args, kwargs)
         if func is torch.ops._c10d_functional.wait_tensor.default:
             out = args[0]  # eager waits in place; the meta kernel would return a new tensor
         else:
@@ -224,6 +222,8 @@ class StepTracker(TorchDispatchMode):
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):
                 self.track(tensor)
+        if self.device_type == "cpu" and func.overloadpacket in _CASTING_REDUCTIONS:
+            self._reduction_cast(func, args, kwargs)  # alive with the output, as in the kernel
         if func in collective_ops and func not in sync_ops:
             self._count_collective(func, out, args, kwargs)
         return out

@@ -59,6 +59,24 @@ def test_the_measured_cpu_peak_pairs_blocks_by_address():
     assert live_peak(events, 25, 100, held_at_start={0xB}) == 7
 
 
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_a_reduction_into_another_dtype_counts_its_copy_of_the_input_on_cpu(device_type):
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from planning.step_tracker import StepTracker
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        grad = torch.empty(1 << 20)  # 4 MiB of float32
+        tracker = StepTracker(fake, {}, device_type)
+        with tracker:
+            tracker.reset_peak()
+            torch.linalg.vector_norm(grad, 2, dtype=torch.float64)  # the CPU grad-norm clip's
+            torch.linalg.vector_norm(grad, 2)  # no cast: nothing beyond its output
+    copy = (1 << 20) * 8 if device_type == "cpu" else 0
+    assert tracker.peak == copy + 8
+
+
 def test_refused_layout_lists_every_problem_as_the_trainer_does():
     bad = ["--config", "llama_debug", "--model.flavor", "tiny", "--training.seq_len", "62",
            "--parallelism.tensor_parallel_degree", "3", "--parallelism.context_parallel_degree", "2",
