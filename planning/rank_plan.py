@@ -227,7 +227,7 @@ def plan_rank(cfg: JobConfig, spec: ModelSpec, args: Any, options: ParallelOptio
         with fake:
             shapes = (_stage_shapes(probe, built, options.pp_microbatch_size, cfg.training.seq_len // dims.cp)
                       if probe is not None else None)
-            tracker = StepTracker(fake, mesh_group_names(dims))
+            tracker = StepTracker(fake, mesh_group_names(dims), device_type)
             with tracker:
                 plan = _run_steps(cfg, args, dims, options, built, global_batch, tracker, shapes,
                                   with_optimizer, device_type)

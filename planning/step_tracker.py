@@ -38,6 +38,11 @@ _KINDS = {
 }
 
 
+# Reductions that take a dtype and cast their whole input to it first.
+_CASTING_REDUCTIONS = {torch.ops.aten.linalg_vector_norm, torch.ops.aten.sum, torch.ops.aten.mean,
+                       torch.ops.aten.nansum, torch.ops.aten.prod}
+
+
 def collective_kind(op: torch._ops.OpOverload) -> str:
     """all-gather, reduce-scatter, all-reduce, all-to-all, send/recv or broadcast."""
     name = op.__name__ if hasattr(op, "__name__") else str(op)
@@ -55,9 +60,11 @@ class StepTracker(TorchDispatchMode):
     "optimizer" around optimizer.step, so the peak can be broken down).
     """
 
-    def __init__(self, fake_mode: FakeTensorMode, group_names: dict[str, str]) -> None:
+    def __init__(self, fake_mode: FakeTensorMode, group_names: dict[str, str],
+                 device_type: str = "cuda") -> None:
         super().__init__()
         self.fake_mode = fake_mode
+        self.device_type = device_type  # the planned device's (the fake tensors are on "cpu")
         self.group_names = group_names
         self.live: dict[str, int] = defaultdict(int)  # bytes alive now, by category
         self.peak = 0
@@ -126,6 +133,13 @@ class StepTracker(TorchDispatchMode):
         self.live[label] += new - old
         self._sizes[id(storage)] = (label, new, ref)
         self._update_peak()
+
+    def transient(self, nbytes: int) -> None:
+        """Memory that lives only inside one op (a kernel's own buffer): counted at its moment."""
+        self.live[self.category] += nbytes
+        self._update_peak()
+        self._snapshot_peak()
+        self.live[self.category] -= nbytes
 
     def _update_peak(self) -> None:
         now = self.now
@@ -197,19 +211,37 @@ class StepTracker(TorchDispatchMode):
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor turn itself into local ops first; those are counted
         kwargs = kwargs or {}
+        ours = not self._propagating and active_fake_mode() is self.fake_mode
         if func is torch.ops._c10d_functional.wait_tensor.default:
             out = args[0]  # eager waits in place; the meta kernel would return a new tensor
         else:
             out = func(*args, **kwargs)
         # DTensor's shape propagation (in a fake mode of its own, or in ours): not the rank's memory.
-        if self._propagating or active_fake_mode() is not self.fake_mode:
+        if not ours:
             return out
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):
                 self.track(tensor)
+        if self.device_type == "cpu" and func.overloadpacket in _CASTING_REDUCTIONS:
+            self._reduction_cast(func, args, kwargs)  # alive with the output, as in the kernel
         if func in collective_ops and func not in sync_ops:
             self._count_collective(func, out, args, kwargs)
         return out
+
+    def _reduction_cast(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
+        """A reduction asked for another dtype than its input's first copies the whole input to it
+        (ATen's make_reduction: `self.to(dtype)`), a buffer inside the kernel that neither dispatch
+        nor fake tensors see. Kiln's grad-norm clip on CPU takes each gradient's norm in float64:
+        for 125M at TP 2 the vocabulary-sized embedding gradient's 192 MiB float64 copy was the
+        step's peak. Counted for CPU plans only: on a GPU Kiln reduces in float32 (and CUDA reduces
+        half/bfloat16 into float32 without a copy)."""
+        names = [a.name for a in func._schema.arguments]
+        dtype = kwargs.get("dtype")
+        if dtype is None and "dtype" in names and names.index("dtype") < len(args):
+            dtype = args[names.index("dtype")]
+        source = args[0] if args else None
+        if isinstance(dtype, torch.dtype) and isinstance(source, torch.Tensor) and dtype != source.dtype:
+            self.transient(source.numel() * dtype.itemsize)
 
     def _count_collective(self, func: torch._ops.OpOverload, out: Any, args: tuple, kwargs: dict) -> None:
         group = CollectiveOp.get_process_group(func, args)
