@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -93,7 +94,7 @@ class Trainer:
         self.step = TrainStep(self.model_parts, self.optimizers, self.schedulers, StepSetup(
             self.dims, self.options, info.device, cfg.training.max_norm, self.global_batch, self.num_stages,
             tuple(self.stage_ids), tuple(tuple(names) for names in self.tied_names),
-            lambda: after_optimizer_step(self.model_parts, self.converters, self.converter_ctx)))
+            self._after_optimizer_step_hook()))
         if self.memory_report is not None:
             self.memory_report.watch(self.model_parts, self.optimizers)
         self.state = TrainState()
@@ -102,6 +103,13 @@ class Trainer:
         self.metrics = self._build_metrics()
 
     # ------------------------------------------------------------------ building
+
+    def _after_optimizer_step_hook(self) -> Callable[[], None] | None:
+        """The converters' after-step work, or None when no converter has any (nothing on the step's
+        hot path then)."""
+        if not any(c.after_optimizer_step for c in self.converters):
+            return None
+        return lambda: after_optimizer_step(self.model_parts, self.converters, self.converter_ctx)
 
     def _build_tokenizer(self) -> Tokenizer:
         """The tokenizer, which must fit the model's vocabulary (as training.seq_len its positions)."""
@@ -271,9 +279,9 @@ class Trainer:
                 self.metrics.count_tokens(tokens_per_step // self.info.world_size)
                 last = st.step == t.steps
                 if st.step % cfg.metrics.log_freq == 0 or last:
-                    loss = self.global_mean(loss_sum, local_tokens)
+                    loss, loss_tokens = self.global_mean(loss_sum, local_tokens)
                     self.metrics.log_step(st.step, loss, grad_norm.item(), lr, st.tokens_seen,
-                                          {"loss_tokens": self.last_count, **self.moe_metrics()})
+                                          {"loss_tokens": loss_tokens, **self.moe_metrics()})
                 if cfg.validation.enable and (st.step % cfg.validation.freq == 0 or last):
                     self.validate()
                 preempted = stop.agreed(self.info.device)
@@ -335,17 +343,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def global_mean(self, total: torch.Tensor, count: torch.Tensor) -> float:
-        """sum(total) / sum(count) over the data- and context-parallel ranks; the global count is
-        kept as last_count (the tokens the loss really averaged over, logged as loss_tokens)."""
+    def global_mean(self, total: torch.Tensor, count: torch.Tensor) -> tuple[float, int]:
+        """(sum(total) / sum(count), sum(count)) over the data- and context-parallel ranks: the mean
+        and the tokens it really averaged over (logged as loss_tokens)."""
         both = torch.stack([total.double(), count.double()])
         if self.step.loss_group is not None:
             dist.all_reduce(both, group=self.step.loss_group)
         if self.step.pipeline is not None:  # only the last stage has the loss: share it along the pipeline
             both = both if self.step.pipeline.has_last else torch.zeros_like(both)
             dist.all_reduce(both, group=self.dims.mesh("pp").get_group())
-        self.last_count = int(both[1].item())
-        return (both[0] / both[1]).item()
+        return (both[0] / both[1]).item(), int(both[1].item())
 
     def moe_metrics(self) -> dict:
         """This step's tokens per expert and max/mean imbalance of every MoE layer (all stages)."""
@@ -384,7 +391,7 @@ class Trainer:
         for part in self.model_parts:
             part.train()
         tokens = int(count.item()) * self.dims.dp * self.dims.cp
-        self.metrics.log_validation(self.state.step, self.global_mean(total, count), tokens)
+        self.metrics.log_validation(self.state.step, self.global_mean(total, count)[0], tokens)
 
     # ------------------------------------------------------------------ checkpoints
 
