@@ -8,6 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from components.errors import KilnError
+from parallelisms.cpu_collectives import on_gloo, use_cpu_collectives
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -27,7 +28,8 @@ def apply_fsdp(
     """Shard each block, the embeddings, final norm + output, then the root, with FSDP2.
 
     A 2-D mesh (dp_replicate, dp_shard_cp) gives HSDP: sharded within a row, replicated across rows
-    (DDP when a row is one rank).
+    (DDP when a row is one rank). On gloo the shards move through faster collectives
+    (parallelisms/cpu_collectives.py).
     reshard_after_forward: "always", "never", or "default" (reshard, except with pipeline parallel
     where each microbatch would gather the weights again).
     """
@@ -51,6 +53,8 @@ def apply_fsdp(
     if tail:
         fully_shard(tail, reshard_after_forward=False, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
+    if on_gloo(mesh):
+        use_cpu_collectives(model)
     return model
 
 

@@ -185,6 +185,15 @@ def data_table(cache: Path, steps: int = 300) -> None:
     print(f"| {'streaming loader (tokenize on the fly, 16 × 256)':<48} | {streaming:>12,.0f} |")
 
 
+def collectives_table() -> None:
+    """gloo's all-gather and reduce-scatter beside Kiln's FSDP collectives, on 2 and 4 processes."""
+    for nproc in (2, 4):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "scripts/benchmark_collectives.py"]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        print(subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, text=True).stdout)
+
+
 def tokenize_seconds(nproc: int, corpus: Path, rayon_threads: str) -> float:
     """Seconds train.py's ranks take to tokenize `corpus` the first time (its own 'tokenized' line)."""
     with tempfile.TemporaryDirectory() as dump:
@@ -267,12 +276,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="threads of a single-process run (FSDP runs use threads / nproc each)")
     ap.add_argument("--tables", default="overhead",
-                    help="comma-separated: speed (Kiln vs an independent reference loop per layout), "
+                    help="comma-separated: speed (Kiln vs TorchTitan and an independent reference loop per "
+                         "layout), collectives (gloo's all-gather and reduce-scatter vs Kiln's), "
                          "overhead (Kiln vs plain loop, FSDP 2 vs 1), parallel "
                          "(FSDP/TP layouts × AC/compile), memory (peak memory per AC mode), pipeline "
                          "(step time per schedule), cp (peak memory of a long sequence per CP degree), "
                          "data (tokenizer and loader tokens/s), init (peak memory of initialising "
                          "the 1B and 3B flavors on 1-4 ranks), tokenize (a new corpus on 1 and 2 ranks)")
+    ap.add_argument("--torchtitan-python", default="",
+                    help="speed table: a Python interpreter where torchtitan is installed (adds its column)")
+    ap.add_argument("--speed-layouts", default="",
+                    help="speed table: only these layouts, names separated by ';' (default: all)")
     ap.add_argument("--cp-seq-len", type=int, default=8192, help="sequence length of the cp table")
     ap.add_argument("--baseline", default="", help="init table: another checkout to measure beside this one")
     ap.add_argument("--baseline-flavors", default="1B",
@@ -284,7 +298,10 @@ def main() -> None:
     cache = Path(tempfile.mkdtemp(prefix="kiln-bench-"))
     kiln_tps(1, 1, 2, 1, cache, [])  # tokenize the corpus once, outside the timings
     if "speed" in tables:
-        speed_table(a.steps, a.warmup, a.repeats, cache)
+        layouts = [n.strip() for n in a.speed_layouts.split(";") if n.strip()]
+        speed_table(a.steps, a.warmup, a.repeats, cache, a.torchtitan_python, layouts)
+    if "collectives" in tables:
+        collectives_table()
     if "overhead" in tables:
         overhead_table(a, cache)
     if "parallel" in tables:

@@ -1,11 +1,18 @@
-"""The speed table of scripts/benchmark.py (`--tables speed`): Kiln against an independent
-reference (scripts/reference_loop.py, a Llama written without Kiln's model code) per layout.
+"""The speed table of scripts/benchmark.py (`--tables speed`): Kiln beside TorchTitan itself and an
+independent reference loop, layout by layout, on the same work.
 
-Shape of TorchTitan's CPU comparison in issue 20: dim 256, 6 layers, 16 heads, seq 128, local
-batch 4, fp32, one thread per process. Runs alternate Kiln / reference so drift on a shared
-machine hits both alike; each cell is the median over runs of the median step's global tokens/s.
-Layouts the reference cannot run (TP, PP, CP) are compared against the reference's FSDP 2 figure
-(the same global batch rate a data-parallel run reaches on the same processes), marked "vs FSDP 2".
+Shape of TorchTitan's `debugmodel` (dim 256, 6 layers, 16 heads, SwiGLU hidden 768), vocabulary
+4096 (Kiln's tokenizer), seq 128, local batch 4, fp32, one thread per process. Three trainers:
+- Kiln: train.py;
+- TorchTitan: scripts/torchtitan_cpu.py, its own Trainer with CPU patches, run by the interpreter
+  given as `--torchtitan-python` (an environment where torchtitan is installed; column left out
+  without it);
+- reference: scripts/reference_loop.py, a Llama written without Kiln's model code, the shortest
+  loop (one process or FSDP2).
+Runs alternate Kiln / TorchTitan / reference in every layout, so drift on a shared machine hits all
+alike; each cell is the median over runs of the median step's global tokens/s, and peak RSS of
+rank 0. Where a trainer has no such layout, Kiln is set against that trainer's FSDP 2 figure (the
+rate data parallel reaches on the same processes), marked "vs FSDP 2".
 """
 
 import json
@@ -14,83 +21,124 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = ["--training.seq_len", "128", "--training.local_batch_size", "4"]
 
-# name: (processes, Kiln options, reference options or None when the reference has no such layout)
-LAYOUTS: dict[str, tuple[int, list[str], list[str] | None]] = {
-    "1 process": (1, [], []),
-    "FSDP 2": (2, [], []),
-    "TP 2": (2, ["--parallelism.tensor_parallel_degree", "2"], None),
+# name: (processes, Kiln options, TorchTitan options, reference options); None = no such layout
+LAYOUTS: dict[str, tuple[int, list[str], list[str] | None, list[str] | None]] = {
+    "1 process": (1, [], [], []),
+    "FSDP 2": (2, [], [], []),
+    "TP 2": (2, ["--parallelism.tensor_parallel_degree", "2"], ["--tp", "2"], None),
     "PP 2 (Interleaved1F1B, microbatch 1)": (2, [
         "--parallelism.pipeline_parallel_degree", "2",
         "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-        "--parallelism.pipeline_parallel_microbatch_size", "1"], None),
-    "CP 2": (2, ["--parallelism.context_parallel_degree", "2"], None),
-    "1 process, compile": (1, ["--compile.enable"], ["--compile"]),
-    "FSDP 2, compile": (2, ["--compile.enable"], ["--compile"]),
-    "1 process, full AC": (1, ["--activation_checkpoint.mode", "full"], ["--ac"]),
-    "FSDP 2 × TP 2": (4, ["--parallelism.tensor_parallel_degree", "2"], None),
+        "--parallelism.pipeline_parallel_microbatch_size", "1"], ["--pp", "2"], None),
+    "CP 2": (2, ["--parallelism.context_parallel_degree", "2"], None, None),
+    "1 process, compile": (1, ["--compile.enable"], ["--compile"], ["--compile"]),
+    "FSDP 2, compile": (2, ["--compile.enable"], ["--compile"], ["--compile"]),
+    "1 process, full AC": (1, ["--activation_checkpoint.mode", "full"], ["--ac"], ["--ac"]),
+    "FSDP 2 × TP 2": (4, ["--parallelism.tensor_parallel_degree", "2"], ["--tp", "2"], None),
     "HSDP 2 × 2": (4, ["--parallelism.data_parallel_replicate_degree", "2",
-                       "--parallelism.data_parallel_shard_degree", "2"], None),
+                       "--parallelism.data_parallel_shard_degree", "2"], ["--dp-replicate", "2"], None),
 }
 
+Run = Callable[[int, list[str]], tuple[float, float]]  # (processes, options) → (tokens/s, peak GiB)
 
-def _launch(nproc: int, script: str, args: list[str]) -> list[str]:
+
+def _launch(python: str, nproc: int, script: str, args: list[str]) -> list[str]:
     if nproc == 1:
-        return [sys.executable, script, *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            script, *args]
+        return [python, script, *args]
+    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script, *args]
 
 
-def kiln_run(nproc: int, extra: list[str], steps: int, warmup: int, cache: Path) -> tuple[float, float]:
-    """(median step's global tokens/s, peak memory GiB of rank 0) of train.py in this layout."""
-    with tempfile.TemporaryDirectory() as dump:
-        args = ["--config", "llama_debug", *SHAPE, "--training.global_batch_size", "-1",
-                "--training.steps", str(steps), "--metrics.log_freq", "1", "--job.dump_folder", dump,
-                "--training.data_cache_dir", str(cache), *extra]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        subprocess.run(_launch(nproc, "train.py", args), cwd=REPO, env=env, check=True, capture_output=True)
-        rows = [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "loss" in r]
-    rates = [(b["tokens"] - a["tokens"]) / (b["time"] - a["time"])
-             for a, b in zip(rows, rows[1:], strict=False)]
-    return statistics.median(rates[warmup:]), rows[-1]["mem_gib"]
-
-
-def reference_run(nproc: int, extra: list[str], steps: int, warmup: int, cache: Path) -> tuple[float, float]:
-    """(median step's global tokens/s, peak RSS GiB of rank 0) of the independent reference loop."""
-    tokens = next(cache.glob("train-*.bin"))
-    args = ["--tokens", str(tokens), "--batch", "4", "--seq-len", "128", "--steps", str(steps),
-            "--warmup", str(warmup), *extra]
+def _json_result(cmd: list[str]) -> tuple[float, float]:
+    """(tps, peak GiB) from the JSON line a reference or TorchTitan run prints last."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(_launch(nproc, "scripts/reference_loop.py", args), cwd=REPO, env=env, check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, text=True).stdout
     row = json.loads(out.strip().splitlines()[-1])
     return row["tps"], row["peak_rss_mib"] / 1024
 
 
-def speed_table(steps: int, warmup: int, repeats: int, cache: Path) -> None:
-    """Print Kiln vs reference tokens/s and peak memory per layout."""
-    kiln: dict[str, list[tuple[float, float]]] = {name: [] for name in LAYOUTS}
-    ref: dict[str, list[tuple[float, float]]] = {name: [] for name, v in LAYOUTS.items() if v[2] is not None}
+def kiln_runner(steps: int, warmup: int, cache: Path) -> Run:
+    """Kiln's train.py: the median step's global tokens/s, peak RSS GiB of rank 0."""
+    def run(nproc: int, extra: list[str]) -> tuple[float, float]:
+        with tempfile.TemporaryDirectory() as dump:
+            args = ["--config", "llama_debug", *SHAPE, "--training.global_batch_size", "-1",
+                    "--training.steps", str(steps), "--metrics.log_freq", "1", "--job.dump_folder", dump,
+                    "--training.data_cache_dir", str(cache), *extra]
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            subprocess.run(_launch(sys.executable, nproc, "train.py", args), cwd=REPO, env=env, check=True,
+                           capture_output=True)
+            rows = [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if "loss" in r]
+        rates = [(b["tokens"] - a["tokens"]) / (b["time"] - a["time"])
+                 for a, b in zip(rows, rows[1:], strict=False)]
+        return statistics.median(rates[warmup:]), rows[-1]["mem_gib"]
+    return run
+
+
+def reference_runner(steps: int, warmup: int, cache: Path) -> Run:
+    """The independent reference loop on Kiln's token cache."""
+    tokens = next(cache.glob("train-*.bin"))
+
+    def run(nproc: int, extra: list[str]) -> tuple[float, float]:
+        args = ["--tokens", str(tokens), "--batch", "4", "--seq-len", "128", "--steps", str(steps),
+                "--warmup", str(warmup), *extra]
+        return _json_result(_launch(sys.executable, nproc, "scripts/reference_loop.py", args))
+    return run
+
+
+def torchtitan_runner(python: str, steps: int, warmup: int) -> Run:
+    """TorchTitan's own trainer through scripts/torchtitan_cpu.py, run by `python`."""
+    def run(nproc: int, extra: list[str]) -> tuple[float, float]:
+        args = ["--steps", str(steps), "--warmup", str(warmup), *extra]
+        return _json_result(_launch(python, nproc, "scripts/torchtitan_cpu.py", args))
+    return run
+
+
+def _median(runs: list[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+
+
+def speed_table(steps: int, warmup: int, repeats: int, cache: Path, torchtitan_python: str = "",
+                only: list[str] | None = None) -> None:
+    """Print Kiln's tokens/s and peak memory per layout (all, or those named in `only`, plus FSDP 2
+    for the "vs FSDP 2" cells) beside TorchTitan's and the reference's."""
+    unknown = set(only or []) - set(LAYOUTS)
+    if unknown:
+        raise SystemExit(f"unknown layouts {sorted(unknown)}; known: {'; '.join(LAYOUTS)}")
+    layouts = {n: v for n, v in LAYOUTS.items() if not only or n in only or n == "FSDP 2"}
+    runners = {"Kiln": kiln_runner(steps, warmup, cache)}
+    if torchtitan_python:
+        runners["TorchTitan"] = torchtitan_runner(torchtitan_python, steps, warmup)
+    runners["reference"] = reference_runner(steps, warmup, cache)
+    column = {"Kiln": 1, "TorchTitan": 2, "reference": 3}  # where each trainer's options sit in LAYOUTS
+    runs: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for _ in range(repeats):
-        for name, (nproc, kiln_args, ref_args) in LAYOUTS.items():
-            kiln[name].append(kiln_run(nproc, kiln_args, steps, warmup, cache))
-            if ref_args is not None:
-                ref[name].append(reference_run(nproc, ref_args, steps, warmup, cache))
-    med = {name: tuple(statistics.median(col) for col in zip(*v, strict=True)) for name, v in kiln.items()}
-    ref_med = {name: tuple(statistics.median(col) for col in zip(*v, strict=True)) for name, v in ref.items()}
-    print(f"\ndebug shape (dim 256, 6 layers, 16 heads), seq 128, local batch 4, fp32, 1 thread per process,"
-          f" {steps} steps ({warmup} untimed), median step, median of {repeats} run(s)\n")
-    print("| layout | Kiln tok/s | reference tok/s | Kiln / reference | Kiln peak GiB | reference |")
-    print("|---|---|---|---|---|---|")
-    for name, (tps, mem) in med.items():
-        if name in ref_med:
-            rtps, rmem = ref_med[name]
-            print(f"| {name} | {tps:,.0f} | {rtps:,.0f} | {tps / rtps:.2f} | {mem:.2f} | {rmem:.2f} |")
-        else:
-            rtps = ref_med["FSDP 2"][0]
-            print(f"| {name} | {tps:,.0f} | — | {tps / rtps:.2f} vs FSDP 2 | {mem:.2f} | — |")
+        for name, layout in layouts.items():
+            for who, run in runners.items():
+                options = layout[column[who]]
+                if options is not None:
+                    runs.setdefault((who, name), []).append(run(layout[0], options))
+    med = {key: _median(v) for key, v in runs.items()}
+    others = [who for who in runners if who != "Kiln"]
+    print(f"\ndebug shape (dim 256, 6 layers, 16 heads, vocab 4096), seq 128, local batch 4, fp32, 1 thread "
+          f"per process, {steps} steps ({warmup} untimed), median step, median of {repeats} run(s)\n")
+    head = ["layout", "Kiln tok/s", *(f"{w} tok/s" for w in others), *(f"Kiln / {w}" for w in others),
+            "Kiln peak GiB", *(f"{w} GiB" for w in others)]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for name in layouts:
+        tps, mem = med[("Kiln", name)]
+        cells = [name, f"{tps:,.0f}"]
+        cells += [f"{med[(w, name)][0]:,.0f}" if (w, name) in med else "—" for w in others]
+        for w in others:
+            if (w, name) in med:
+                cells.append(f"{tps / med[(w, name)][0]:.2f}")
+            else:
+                cells.append(f"{tps / med[(w, 'FSDP 2')][0]:.2f} vs FSDP 2")
+        cells.append(f"{mem:.2f}")
+        cells += [f"{med[(w, name)][1]:.2f}" if (w, name) in med else "—" for w in others]
+        print("| " + " | ".join(cells) + " |")
