@@ -21,6 +21,7 @@ from components.parallel_options import ParallelOptions
 from parallelisms.context_parallel import head_tail_positions, shard_sequence
 from parallelisms.fsdp import set_gradient_sync
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.partial_gradients import reduce_partial_gradients
 from parallelisms.pipeline import PipelineRunner, StageShapes, build_stages
 from parallelisms.tensor_parallel import loss_context
 from parallelisms.tied_weights import TiedWeightSync
@@ -137,6 +138,7 @@ class TrainStep:
         if self.tied is not None:
             self.tied.sum_gradients()
         params = [p for part in self.parts for p in part.parameters()]
+        reduce_partial_gradients(params)  # sequence-parallel norm weights: once, not per reader
         pp_mesh = self.dims.mesh("pp")
         pp_group = pp_mesh.get_group() if pp_mesh is not None else None
         grad_norm = clip_grad_norm(params, self.max_norm, pp_group,
