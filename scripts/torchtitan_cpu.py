@@ -175,7 +175,8 @@ def _config(a: argparse.Namespace, dump: str) -> Any:
     model.vocab_size = model.tok_embeddings.num_embeddings = model.lm_head.out_features = VOCAB
     for _, _, attention, field in model.traverse(FlexAttention.Config):  # no CPU backward
         setattr(attention, field, ScaledDotProductAttention.Config())
-    cfg.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=VOCAB))
+    plain = CrossEntropyLoss.Config(global_vocab_size=VOCAB)
+    cfg.loss = plain if a.loss == "ce" else ChunkedLossWrapper.Config(loss_fn=plain)
     cfg.hf_assets_path = str(a.tokenizer)
     cfg.dump_folder = dump
     cfg.dataloader = HuggingFaceTextDataLoader.Config(dataset="kiln_shakespeare")
@@ -246,6 +247,9 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true",
                     help="TorchTitan's per-block compile (components: model; the loss stays eager)")
     ap.add_argument("--ac", action="store_true", help="full activation checkpointing")
+    ap.add_argument("--loss", choices=["chunked", "ce"], default="chunked",
+                    help="debugmodel's chunked loss (its default) or plain cross-entropy "
+                         "(its llama3_debugmodel_ce_loss)")
     ap.add_argument("--corpus", type=Path, default=REPO / "assets/data/shakespeare/train.jsonl.gz")
     ap.add_argument("--tokenizer", type=Path, default=REPO / "assets/tokenizer")
     a = ap.parse_args()
