@@ -9,7 +9,16 @@ gloo refuses float8 tensors ("Invalid scalar type", measured on torch 2.14.1), b
 group whose inputs have mixed dtypes — every Kiln block holds its norms' weights beside the float8
 ones — into one uint8 buffer, so the float8 weights travel as bytes on gloo too; a block of float8
 weights alone would not, and is refused on cpu.
+
+Off CUDA the matmul itself is emulated (torchao's `emulate`: the float8 values, scaled back, multiplied
+in float32). The casts to float8 — the numerics float8 training is about — stay the same; only the
+kernel changes. torch's CPU `_scaled_mm` sends float8 to oneDNN on CPUs with AMX and emulates it
+elsewhere, and oneDNN has fast float8 kernels only where the CPU has float8 instructions: a 100-step
+debug run that takes 20 s here (AMD EPYC, emulated) printed 3 tok/s and did not finish in 10 minutes
+on a CI machine. Emulating always gives every CPU the same, float32-matmul speed.
 """
+
+import dataclasses
 
 from torch import nn
 
@@ -58,6 +67,7 @@ def convert(model: nn.Module, ctx: ConverterContext) -> None:
         config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather(ctx))
     else:
         config = float8.Float8LinearConfig.from_recipe_name(f.recipe_name)
+    config = dataclasses.replace(config, emulate=ctx.device_type != "cuda")
     skip = [s.strip() for s in f.filter_fqns.split(",") if s.strip()]
     float8.convert_to_float8_training(model, config=config,
                                       module_filter_fn=lambda mod, fqn: convertible(mod, fqn, skip))

@@ -86,6 +86,21 @@ def test_float8_computes_in_float8(recipe: str) -> None:
     assert all(p.grad is not None for p in model.parameters())
 
 
+def test_float8_matmul_emulated_off_cuda(monkeypatch) -> None:
+    """On CPU the float8 matmuls never reach torch._scaled_mm (oneDNN's float8 kernel crawls on CPUs
+    with AMX but no float8 instructions); on CUDA they do. The float8 casts happen either way."""
+    def no_scaled_mm(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("torch._scaled_mm called on cpu")
+
+    monkeypatch.setattr(torch, "_scaled_mm", no_scaled_mm)
+    model = _converted()
+    model(torch.randint(0, 4096, (2, 32))).sum().backward()
+    assert all(m.config.emulate for m in model.modules() if isinstance(m, Float8Linear))
+    cuda_model, ctx = tiny_llama(), ConverterContext(JobConfig(), fsdp=False, tp=False, device_type="cuda")
+    convert_model(cuda_model, resolve_converters("float8", ctx), ctx)
+    assert not any(m.config.emulate for m in cuda_model.modules() if isinstance(m, Float8Linear))
+
+
 def test_float8_without_torchao_is_one_line(monkeypatch) -> None:
     for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")]:
         monkeypatch.setitem(sys.modules, name, None)  # import torchao.float8 raises ImportError
