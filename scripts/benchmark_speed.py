@@ -106,30 +106,53 @@ def _median(runs: list[tuple[float, float]]) -> tuple[float, float]:
 def speed_table(steps: int, warmup: int, repeats: int, cache: Path, torchtitan_python: str = "",
                 only: list[str] | None = None) -> None:
     """Print Kiln's tokens/s and peak memory per layout (all, or those named in `only`, plus FSDP 2
-    for the "vs FSDP 2" cells) beside TorchTitan's and the reference's."""
+    where a "vs FSDP 2" cell needs it) beside TorchTitan's and the reference's."""
     unknown = set(only or []) - set(LAYOUTS)
     if unknown:
         raise SystemExit(f"unknown layouts {sorted(unknown)}; known: {'; '.join(LAYOUTS)}")
-    layouts = {n: v for n, v in LAYOUTS.items() if not only or n in only or n == "FSDP 2"}
     runners = {"Kiln": kiln_runner(steps, warmup, cache)}
     if torchtitan_python:
         runners["TorchTitan"] = torchtitan_runner(torchtitan_python, steps, warmup)
     runners["reference"] = reference_runner(steps, warmup, cache)
-    column = {"Kiln": 1, "TorchTitan": 2, "reference": 3}  # where each trainer's options sit in LAYOUTS
+    layouts = chosen_layouts(only, list(runners))
+    med = measure(layouts, runners, repeats)
+    print(f"\ndebug shape (dim 256, 6 layers, 16 heads, vocab 4096), seq 128, local batch 4, fp32, 1 thread "
+          f"per process, {steps} steps ({warmup} untimed), median step, median of {repeats} run(s)\n")
+    print(table(med, list(layouts), [who for who in runners if who != "Kiln"]))
+
+
+def chosen_layouts(only: list[str] | None, trainers: list[str]) -> dict[str, tuple]:
+    """The layouts named (all if none), plus FSDP 2 when one of them lacks a trainer's own run."""
+    layouts = {n: v for n, v in LAYOUTS.items() if not only or n in only}
+    needs_fsdp = any(LAYOUTS[n][COLUMN[who]] is None for n in layouts for who in trainers)
+    if needs_fsdp and "FSDP 2" not in layouts:
+        layouts = {"FSDP 2": LAYOUTS["FSDP 2"], **layouts}
+    return layouts
+
+
+COLUMN = {"Kiln": 1, "TorchTitan": 2, "reference": 3}  # where each trainer's options sit in LAYOUTS
+
+
+def measure(layouts: dict[str, tuple], runners: dict[str, Run], repeats: int
+            ) -> dict[tuple[str, str], tuple[float, float]]:
+    """(trainer, layout) → median (tokens/s, peak GiB) over `repeats` rounds; each round runs every
+    layout once per trainer, alternating, so drift on a shared machine hits all trainers alike."""
     runs: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for _ in range(repeats):
         for name, layout in layouts.items():
             for who, run in runners.items():
-                options = layout[column[who]]
+                options = layout[COLUMN[who]]
                 if options is not None:
                     runs.setdefault((who, name), []).append(run(layout[0], options))
-    med = {key: _median(v) for key, v in runs.items()}
-    others = [who for who in runners if who != "Kiln"]
-    print(f"\ndebug shape (dim 256, 6 layers, 16 heads, vocab 4096), seq 128, local batch 4, fp32, 1 thread "
-          f"per process, {steps} steps ({warmup} untimed), median step, median of {repeats} run(s)\n")
+    return {key: _median(v) for key, v in runs.items()}
+
+
+def table(med: dict[tuple[str, str], tuple[float, float]], layouts: list[str], others: list[str]) -> str:
+    """The markdown table: Kiln's tokens/s, the others', Kiln / each (against the other's FSDP 2
+    figure where it has no such layout, marked "vs FSDP 2"), and the peak memories."""
     head = ["layout", "Kiln tok/s", *(f"{w} tok/s" for w in others), *(f"Kiln / {w}" for w in others),
             "Kiln peak GiB", *(f"{w} GiB" for w in others)]
-    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in layouts:
         tps, mem = med[("Kiln", name)]
         cells = [name, f"{tps:,.0f}"]
@@ -141,4 +164,5 @@ def speed_table(steps: int, warmup: int, repeats: int, cache: Path, torchtitan_p
                 cells.append(f"{tps / med[(w, 'FSDP 2')][0]:.2f} vs FSDP 2")
         cells.append(f"{mem:.2f}")
         cells += [f"{med[(w, name)][1]:.2f}" if (w, name) in med else "—" for w in others]
-        print("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""The speed benchmark's parts that can break without anyone timing anything: the independent
+reference really has Kiln's debug shape (so `Kiln / reference` compares the same work), it trains,
+and the table picks its layouts, alternates its trainers and divides the right numbers."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+import benchmark_speed  # noqa: E402
+import reference_loop  # noqa: E402
+
+from models import get_model_spec  # noqa: E402
+
+
+def test_reference_has_the_debug_models_shape() -> None:
+    spec = get_model_spec("llama3")
+    args = spec.flavors["debug"]
+    with torch.device("meta"):
+        kiln = spec.model_cls(args)
+        ref = reference_loop.Llama(args.vocab_size, args.dim, args.n_layers, args.n_heads, 768, 128)
+    assert sum(p.numel() for p in ref.parameters()) == sum(p.numel() for p in kiln.parameters())
+    assert ref.blocks[0].gate_up.out_features == 2 * kiln.layers["0"].feed_forward.w1.out_features
+
+
+def test_reference_loop_trains_and_reports(tmp_path) -> None:
+    tokens = tmp_path / "train-0.bin"
+    np.random.default_rng(0).integers(0, 512, 20_000, dtype=np.uint16).tofile(tokens)
+    shape = ["--vocab", "512", "--dim", "64", "--layers", "2", "--heads", "4", "--hidden", "128",
+             "--seq-len", "32", "--steps", "4", "--warmup", "1"]
+    proc = subprocess.run([sys.executable, "scripts/reference_loop.py", "--tokens", str(tokens), *shape],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["tps"] > 0 and row["peak_rss_mib"] > 0
+
+
+def test_layouts_without_a_trainers_run_bring_fsdp2() -> None:
+    trainers = ["Kiln", "reference"]
+    assert list(benchmark_speed.chosen_layouts(["1 process"], trainers)) == ["1 process"]
+    assert list(benchmark_speed.chosen_layouts(["TP 2"], trainers)) == ["FSDP 2", "TP 2"]
+    assert len(benchmark_speed.chosen_layouts(None, trainers)) == len(benchmark_speed.LAYOUTS)
+    with pytest.raises(SystemExit, match="unknown layouts"):
+        benchmark_speed.speed_table(1, 0, 1, REPO, only=["TP 9"])
+
+
+def test_runs_alternate_and_ratios_divide_the_right_cells() -> None:
+    calls = []
+
+    def runner(who: str, rate: float):
+        def run(nproc: int, options: list[str]) -> tuple[float, float]:
+            calls.append(who)
+            return rate * nproc, 0.5
+        return run
+
+    layouts = benchmark_speed.chosen_layouts(["1 process", "TP 2"], ["Kiln", "reference"])
+    runners = {"Kiln": runner("Kiln", 300.0), "reference": runner("reference", 200.0)}
+    med = benchmark_speed.measure(layouts, runners, repeats=2)
+    # 2 rounds × (FSDP 2: both, 1 process: both, TP 2: Kiln only): Kiln and the reference alternate
+    assert calls == ["Kiln", "reference", "Kiln", "reference", "Kiln"] * 2
+    text = benchmark_speed.table(med, list(layouts), ["reference"]).splitlines()
+    cells = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in text[2:]}
+    assert cells["1 process"][1:4] == ["300", "200", "1.50"]
+    assert cells["TP 2"][1:4] == ["600", "—", "1.50 vs FSDP 2"]  # 600 against the reference's FSDP 2 (400)
