@@ -33,7 +33,8 @@ def _local_square_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
     if tensors[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(tensors)).float().square().sum()
     rows = [t.reshape(-1, t.shape[-1]) if t.dim() > 1 else t.reshape(1, -1) for t in tensors]
-    return torch.cat([torch.linalg.vector_norm(r, 2, dim=-1, dtype=torch.float32) for r in rows]).square().sum()
+    row_norms = [torch.linalg.vector_norm(r, 2, dim=-1, dtype=torch.float32) for r in rows]
+    return torch.cat(row_norms).square().sum()
 
 
 def _group_square_sum(group: list[torch.Tensor]) -> torch.Tensor:

@@ -30,18 +30,21 @@ def ms_per_call(fn: Callable[[], None], calls: int = 20) -> float:
     return statistics.median(rounds)
 
 
+def _row(kib: int, world: int, group: dist.ProcessGroup) -> tuple[int, float, float, float, float]:
+    """ms per call of gloo's and Kiln's all-gather and reduce-scatter of a kib-KiB shard."""
+    shard = torch.randn(kib * 256)
+    full = torch.empty(shard.numel() * world)
+    gathered = torch.empty_like(full)
+    return (kib, ms_per_call(lambda: dist.all_gather_into_tensor(gathered, shard)),
+            ms_per_call(lambda: BroadcastAllGather()(gathered, shard, group)),
+            ms_per_call(lambda: dist.reduce_scatter_tensor(shard, full)),
+            ms_per_call(lambda: AllToAllReduceScatter()(shard, full, group, dist.ReduceOp.SUM)))
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     world, group = dist.get_world_size(), dist.group.WORLD
-    rows = []
-    for kib in (256, 1024, 4096):
-        shard = torch.randn(kib * 256)
-        full = torch.empty(shard.numel() * world)
-        gathered = torch.empty_like(full)
-        rows.append((kib, ms_per_call(lambda: dist.all_gather_into_tensor(gathered, shard)),
-                     ms_per_call(lambda: BroadcastAllGather()(gathered, shard, group)),
-                     ms_per_call(lambda: dist.reduce_scatter_tensor(shard, full)),
-                     ms_per_call(lambda: AllToAllReduceScatter()(shard, full, group, dist.ReduceOp.SUM))))
+    rows = [_row(kib, world, group) for kib in (256, 1024, 4096)]
     if dist.get_rank() == 0:
         print(f"\ngloo collectives, {world} processes, float32, ms per call (median of 3 rounds of 20)\n")
         print("| shard per rank | all-gather | Kiln: broadcasts | reduce-scatter | Kiln: all-to-all + sum |")

@@ -11,7 +11,8 @@ is importable (its own virtualenv); nothing here imports Kiln. The caller sets O
 
     python scripts/torchtitan_cpu.py [--steps 30 --warmup 5] [--compile] [--ac]
     torchrun --standalone --nproc-per-node 2 scripts/torchtitan_cpu.py [--tp 2 | --pp 2]  (else FSDP 2)
-    torchrun --standalone --nproc-per-node 4 scripts/torchtitan_cpu.py --tp 2 | --dp-replicate 2  (FSDP 2 × TP 2 | HSDP)
+    torchrun --standalone --nproc-per-node 4 scripts/torchtitan_cpu.py --tp 2 | --dp-replicate 2
+        (FSDP 2 × TP 2 | HSDP)
 
 Prints one JSON line on rank 0, the last line of stdout (TorchTitan's log goes to stderr):
 {"tps": global tokens/s of the median step after --warmup, "peak_rss_mib": peak RSS of rank 0}.
@@ -79,7 +80,6 @@ def _free_port() -> int:
 def _patch_for_cpu() -> None:
     """Make TorchTitan run on CPU/gloo; must run before any other torchtitan import."""
     import torch
-
     import torchtitan.tools.utils as tt_utils
 
     class CpuModule:
@@ -131,7 +131,6 @@ def _patch_for_cpu() -> None:
 def _register_corpus(name: str, corpus: Path) -> None:
     """Kiln's Shakespeare (jsonl.gz, a "text" field) as an in-memory TorchTitan dataset."""
     from datasets import Dataset
-
     from torchtitan.hf_datasets import DatasetConfig
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
@@ -200,7 +199,6 @@ def _train(a: argparse.Namespace, scratch: str) -> tuple[list[float], int, int]:
     """Run TorchTitan's trainer; (end time of each step, global rows per step, rank)."""
     _patch_for_cpu()
     import torch.distributed as dist
-
     from torchtitan.tools.logging import init_logger, logger
     from torchtitan.trainer import Trainer
 

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 sys.path.insert(0, ".")
 from parallelisms.cpu_collectives import AllToAllReduceScatter, BroadcastAllGather  # noqa: E402
