@@ -12,10 +12,10 @@ weights alone would not, and is refused on cpu.
 
 Off CUDA the matmul itself is emulated (torchao's `emulate`: the float8 values, scaled back, multiplied
 in float32). The casts to float8 — the numerics float8 training is about — stay the same; only the
-kernel changes. torch's CPU `_scaled_mm` sends float8 to oneDNN on CPUs with AMX and emulates it
-elsewhere, and oneDNN has fast float8 kernels only where the CPU has float8 instructions: a 100-step
-debug run that takes 20 s here (AMD EPYC, emulated) printed 3 tok/s and did not finish in 10 minutes
-on a CI machine. Emulating always gives every CPU the same, float32-matmul speed.
+kernel changes. A 100-step debug run that takes 20 s on an AMD EPYC printed 3 tok/s and did not
+finish in 10 minutes on a CI machine. torch's CPU `_scaled_mm` sends float8 to oneDNN on CPUs with
+AMX and emulates it elsewhere (the EPYC has no AMX), the likely cause; emulating here gives every
+CPU the same float32-matmul speed.
 """
 
 import dataclasses
