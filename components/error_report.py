@@ -17,6 +17,9 @@ _RANK0 = "kiln/error/rank0"  # rank 0 has printed its KilnError line
 _REPORTED = "kiln/error/reported"  # how many ranks have found one
 _PRINTED = "kiln/error/printed"  # how many non-zero ranks claimed the line (the first prints)
 RANK0_GRACE_SECONDS = 3.0  # how long another rank waits to hear whether rank 0 has the error too
+# Before the process group a non-zero rank stays this long before it exits: the launcher stops every
+# worker when the first one exits, so rank 0 (which prints the line) must be the first.
+SILENT_RANK_LINGER_SECONDS = 20.0
 
 
 def report_kiln_error(error: Exception, rank: int, store: dist.Store | None) -> None:
@@ -24,6 +27,8 @@ def report_kiln_error(error: Exception, rank: int, store: dist.Store | None) -> 
     if store is None:  # before the process group every rank read the same config: rank 0 speaks
         if rank == 0:
             _print(f"kiln: error: {error}")
+        else:
+            time.sleep(SILENT_RANK_LINGER_SECONDS)  # normally ended sooner, by the launcher
         return
     try:
         store.add(_REPORTED, 1)
