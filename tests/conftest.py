@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.warm_launcher import WarmClient
+
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
@@ -38,11 +40,24 @@ TINY = [
 ]
 
 
+# Runs of train.py fork from one process that has imported torch and Kiln already
+# (tests/helpers/warm_launcher.py): the same processes, environment and exit codes as
+# `torchrun --standalone train.py`, without ~5.5 s of imports per process. launcher="torchrun"
+# launches the real thing, for the tests of the launch itself.
+WARM = WarmClient(ISOLATED / "warm", {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+atexit.register(WARM.close)
+READ_AT_START = ("PYTHON", "TORCH", "PYTORCH")  # variables read at start-up: such runs start fresh
+
+
 def run_train(args: list[str], nproc: int = 1, *, script: str = "train.py", timeout: int = 300,
-              extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run train.py (or a helper script) as one process, or under torchrun --standalone with nproc.
-    One thread per process unless extra_env says otherwise."""
+              extra_env: dict | None = None, launcher: str = "warm") -> subprocess.CompletedProcess:
+    """Run train.py (or a helper script) as one process, or as nproc workers of one standalone job:
+    forked by the warm launcher, or (launcher="torchrun", or extra_env setting a variable that
+    Python or torch reads at start-up) a fresh `python` / `torchrun --standalone`. One thread per process
+    unless extra_env says otherwise."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    if launcher == "warm" and not any(k.startswith(READ_AT_START) for k in extra_env or {}):
+        return WARM.run(script, args, nproc, env, REPO, timeout)
     if nproc == 1:
         cmd = [sys.executable, script, *args]
     else:
