@@ -6,8 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from tests.conftest import TINY, WARM, check_ok, fails_with, run_train, train_rows
+from conftest import TINY, WARM, check_ok, fails_with, run_train, train_rows
 
 FSDP2 = [*TINY, "--training.steps", "4", "--parallelism.data_parallel_shard_degree", "2"]
 

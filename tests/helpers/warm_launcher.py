@@ -106,7 +106,7 @@ def _manage(conn: socket.socket) -> None:
 
 def serve(path: str) -> None:
     """Import what every run imports, then fork a manager per connection (one connection per run)."""
-    sys.path.insert(0, str(REPO))
+    sys.path[0] = str(REPO)  # as for `python train.py`: the repository, not this helper's folder
     os.chdir(REPO)
     import torch._dynamo  # noqa: F401  (torch.optim imports it at the first optimizer)
 
@@ -135,6 +135,7 @@ class WarmClient:
 
     def _start(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
+        Path(self.path).unlink(missing_ok=True)  # a server that died left its socket behind
         self.server = subprocess.Popen([sys.executable, __file__, self.path], cwd=REPO, env=self.env,
                                        stdout=subprocess.PIPE, text=True)
         if self.server.stdout.readline().strip() != "ready":
