@@ -44,7 +44,8 @@ TINY = [
 # (tests/helpers/warm_launcher.py): the same processes, environment and exit codes as
 # `torchrun --standalone train.py`, without ~5.5 s of imports per process. launcher="torchrun"
 # launches the real thing, for the tests of the launch itself.
-WARM = WarmClient(ISOLATED / "warm", {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+ONE_THREAD_UNBUFFERED = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+WARM = WarmClient(ISOLATED / "warm", {**os.environ, **ONE_THREAD_UNBUFFERED})
 atexit.register(WARM.close)
 READ_AT_START = ("PYTHON", "TORCH", "PYTORCH")  # variables read at start-up: such runs start fresh
 
@@ -55,7 +56,7 @@ def run_train(args: list[str], nproc: int = 1, *, script: str = "train.py", time
     forked by the warm launcher, or (launcher="torchrun", or extra_env setting a variable that
     Python or torch reads at start-up) a fresh `python` / `torchrun --standalone`. One thread per process
     unless extra_env says otherwise."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    env = {**os.environ, **ONE_THREAD_UNBUFFERED, **(extra_env or {})}
     if launcher == "warm" and not any(k.startswith(READ_AT_START) for k in extra_env or {}):
         return WARM.run(script, args, nproc, env, REPO, timeout)
     if nproc == 1:

@@ -28,12 +28,6 @@ REPO = Path(__file__).resolve().parents[2]
 STOP_GRACE_SECONDS = 10.0  # after one worker fails, how long the others have to stop on SIGTERM
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(request: dict, rank: int, port: int, out_fd: int, err_fd: int) -> None:
     """In a forked child: become rank `rank` of the job and run the script as __main__; never returns."""
     code = 1
@@ -75,7 +69,9 @@ def _manage(conn: socket.socket) -> None:
     stream.flush()
     out_fd = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     err_fd = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    port = _free_port()
+    from scripts.tutorial.common import free_port  # the server has imported torch, which it needs
+
+    port = free_port()
     ranks = {}
     for rank in range(request["nproc"]):
         pid = os.fork()
