@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from components.eager import outside_compile
 from components.errors import KilnError
 from parallelisms.blockwise_attention import gathered_attention, ring_attention
+from parallelisms.cpu_collectives import AllToAllReduceScatter, BroadcastAllGather
 
 ROTATE_METHODS = ("allgather", "ring")
 
@@ -55,11 +56,35 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
     sequence in rank order, with autograd: the backward reduce-scatters their gradients home.
     """
     kv = torch.stack([k, v]).movedim(3, 0).contiguous()  # [s_local, 2, b, kv_heads, d]: gather on dim 0
-    # The copy into [2, b, kv_heads, seq, d] waits for the gather: its result is a funcol
+    if dist.get_backend(group) == "gloo":
+        gathered = _GlooGather.apply(kv, group)
+    else:
+        gathered = all_gather_single_autograd(kv, gather_dim=0, group=group)
+    # The copy into [2, b, kv_heads, seq, d] waits for the gather: a funcol result is an
     # AsyncCollectiveTensor, whose every later slice (views keep the wrapper) would go through its
     # Python dispatch, in forward and in backward (about 3% of a CP 2 debug step).
-    k_all, v_all = all_gather_single_autograd(kv, gather_dim=0, group=group).movedim(0, 3).contiguous()
+    k_all, v_all = gathered.movedim(0, 3).contiguous()
     return gathered_attention(q, k_all, v_all, dist.get_rank(group), dist.get_world_size(group))
+
+
+class _GlooGather(torch.autograd.Function):
+    """All-gather along dim 0 whose backward reduce-scatters the gradient home, through the CPU
+    collectives FSDP uses on gloo (broadcasts, one all-to-all + sum): gloo's own all-gather and
+    reduce-scatter (an all-reduce of the whole gradient) move the same bytes slower."""
+
+    @staticmethod
+    def forward(ctx, kv, group):  # noqa: ANN001, ANN205 (autograd.Function signature)
+        ctx.group = group
+        out = kv.new_empty((group.size() * kv.shape[0], *kv.shape[1:]))
+        BroadcastAllGather()(out, kv, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        group = ctx.group
+        mine = grad.new_empty((grad.shape[0] // group.size(), *grad.shape[1:]))
+        AllToAllReduceScatter()(mine, grad.contiguous(), group, dist.ReduceOp.SUM)
+        return mine, None
 
 
 class ContextParallelAttention:

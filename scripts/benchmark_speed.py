@@ -12,7 +12,8 @@ Shape of TorchTitan's `debugmodel` (dim 256, 6 layers, 16 heads, SwiGLU hidden 7
 Runs alternate Kiln / TorchTitan / reference in every layout, so drift on a shared machine hits all
 alike; each cell is the median over runs of the median step's global tokens/s, and peak RSS of
 rank 0. Where a trainer has no such layout, Kiln is set against that trainer's FSDP 2 figure (the
-rate data parallel reaches on the same processes), marked "vs FSDP 2".
+rate data parallel reaches on the same processes), marked "vs FSDP 2"; CP 2 then runs FSDP 2's
+global batch (local batch 8 of 64-token shards), so both do the same work per step.
 """
 
 import json
@@ -36,7 +37,10 @@ LAYOUTS: dict[str, tuple[int, list[str], list[str] | None, list[str] | None]] = 
         "--parallelism.pipeline_parallel_degree", "2",
         "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
         "--parallelism.pipeline_parallel_microbatch_size", "1"], ["--pp", "2"], None),
-    "CP 2": (2, ["--parallelism.context_parallel_degree", "2"], None, None),
+    # Local batch 8: the same global batch (8 × 128 tokens) and tokens per rank as FSDP 2, the work
+    # it is set against (with local batch 4 it would do half of FSDP 2's tokens per step).
+    "CP 2": (2, ["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8"],
+             None, None),
     "1 process, compile": (1, ["--compile.enable"], ["--compile"], ["--compile"]),
     "FSDP 2, compile": (2, ["--compile.enable"], ["--compile"], ["--compile"]),
     "1 process, full AC": (1, ["--activation_checkpoint.mode", "full"], ["--ac"], ["--ac"]),
@@ -116,8 +120,9 @@ def speed_table(steps: int, warmup: int, repeats: int, cache: Path, torchtitan_p
     runners["reference"] = reference_runner(steps, warmup, cache)
     layouts = chosen_layouts(only, list(runners))
     med = measure(layouts, runners, repeats)
-    print(f"\ndebug shape (dim 256, 6 layers, 16 heads, vocab 4096), seq 128, local batch 4, fp32, 1 thread "
-          f"per process, {steps} steps ({warmup} untimed), median step, median of {repeats} run(s)\n")
+    print(f"\ndebug shape (dim 256, 6 layers, 16 heads, vocab 4096), seq 128, local batch 4 (CP 2: 8), fp32, "
+          f"1 thread per process, {steps} steps ({warmup} untimed), median step, "
+          f"median of {repeats} run(s)\n")
     print(table(med, list(layouts), [who for who in runners if who != "Kiln"]))
 
 
