@@ -29,8 +29,22 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
 
+class AllWork(dist.Work):
+    """Several collectives' works waited as one (FSDP waits on one Work per async all-gather)."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        super().__init__()
+        self.works = works
+
+    def wait(self, timeout: object = None) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+
 class BroadcastAllGather(DefaultAllocMixin, AllGather):
-    """All-gather as one broadcast per rank into the output's slices."""
+    """All-gather as one broadcast per rank into the output's slices; async (gloo's worker threads
+    move the bytes while the caller computes) when FSDP prefetches (parallelisms/fsdp.py)."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> None:
@@ -38,9 +52,9 @@ class BroadcastAllGather(DefaultAllocMixin, AllGather):
         mine = slices[group.rank()]
         if mine.data_ptr() != input_tensor.data_ptr():  # FSDP's copy-in usually put it there already
             mine.copy_(input_tensor.view(-1))
-        for i in range(group.size()):
-            dist.broadcast(slices[i], src=dist.get_global_rank(group, i), group=group)
-        return None  # done: FSDP waits on no work
+        works = [dist.broadcast(slices[i], src=dist.get_global_rank(group, i), group=group, async_op=async_op)
+                 for i in range(group.size())]
+        return AllWork(works) if async_op else None
 
 
 class AllToAllReduceScatter(DefaultAllocMixin, ReduceScatter):

@@ -58,7 +58,24 @@ def apply_fsdp(
     fully_shard(model, reshard_after_forward=False, **kwargs)
     if on_gloo(mesh):
         use_cpu_collectives(model)
+        prefetch_forward([m for m in (embed if not tied else None, *model.layers.values(), *tail[:1])
+                          if m is not None], model)
     return model
+
+
+def prefetch_forward(order: list[nn.Module], model: nn.Module) -> None:
+    """On CPU: each FSDP module starts the next one's all-gather before it computes, and every
+    unshard (backward's implicit prefetch too) runs as async gloo work, so the transfer overlaps
+    this module's compute instead of stalling the step.
+
+    GPUs overlap through FSDP's all-gather stream without this; CPU has no streams, so without it
+    every all-gather blocks (FSDP 2 debug model on 2 cores: +8% tokens/s, same losses). One more
+    block is whole during forward, as on a GPU with FSDP's own prefetch.
+    """
+    for module, following in zip(order, order[1:], strict=False):
+        module.set_modules_to_forward_prefetch([following])
+    # torch's only switch for async unshards (FSDP2's, underscored in torch 2.13 and 2.14).
+    model._set_unshard_async_op(True)
 
 
 def shares_parameters(a: nn.Module, b: nn.Module) -> bool:

@@ -1,8 +1,8 @@
 """Run under torchrun (3 ranks): Kiln's gloo all-gather and reduce-scatter
-(parallelisms/cpu_collectives.py) against torch's, on uneven values, sum and average, and
-apply_fsdp installing them; reduce_partial_gradients (parallelisms/partial_gradients.py) against
-DTensor's own reduction. Rank 0 prints one line per check, "<name>: ok" or what differs on any
-rank; exits 1 if anything differs."""
+(parallelisms/cpu_collectives.py) against torch's, on uneven values, sum and average, async, and
+apply_fsdp installing them with forward prefetch; reduce_partial_gradients
+(parallelisms/partial_gradients.py) against DTensor's own reduction. Rank 0 prints one line per
+check, "<name>: ok" or what differs on any rank; exits 1 if anything differs."""
 
 import sys
 
@@ -31,6 +31,12 @@ def collectives(rank: int, world: int) -> list[str]:
     dist.all_gather_into_tensor(theirs, shard)
     if not torch.equal(ours, theirs):
         problems.append("all-gather")
+    later = torch.empty(37 * world)  # FSDP's prefetch: async, complete only once waited
+    work = BroadcastAllGather()(later, shard, group, async_op=True)
+    if not isinstance(work, dist.Work):
+        problems.append(f"async all-gather returned {type(work).__name__}")
+    elif not (work.wait() and torch.equal(later, theirs)):
+        problems.append("async all-gather")
 
     full = torch.randn(37 * world, generator=gen) * 10 ** rank  # magnitudes that round differently
     for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
@@ -49,13 +55,17 @@ def collectives(rank: int, world: int) -> list[str]:
         pass
 
     model = nn.Module()
-    model.layers = nn.ModuleDict({"0": nn.Linear(5, 3)})
+    model.layers = nn.ModuleDict({"0": nn.Linear(5, 3), "1": nn.Linear(3, 3)})
     apply_fsdp(model, init_device_mesh("cpu", (world,)), MixedPrecisionPolicy())
-    state = model.layers["0"]._get_fsdp_state()
+    first, second = (model.layers[i]._get_fsdp_state() for i in ("0", "1"))
     comms = {type(g._all_gather_comm).__name__ + "/" + type(g._reduce_scatter_comm).__name__
-             for g in state._fsdp_param_groups}
+             for g in first._fsdp_param_groups}
     if comms != {"BroadcastAllGather/AllToAllReduceScatter"}:
         problems.append(f"apply_fsdp installed {comms}")
+    if first._states_to_forward_prefetch != [second] or second._states_to_forward_prefetch:
+        problems.append("forward prefetch is not block 0 -> block 1")
+    if not all(g.unshard_async_op for g in first._fsdp_param_groups):
+        problems.append("unshards are not async")
     return problems
 
 
