@@ -18,8 +18,13 @@ float32, ms per call (`python scripts/benchmark.py --tables collectives`):
 FSDP2 takes custom collectives through set_custom_all_gather / set_custom_reduce_scatter; torch
 has no faster CPU path, so these are Kiln's own. The all-gather writes in place (no extra memory);
 the reduce-scatter's receive buffer is the size of its input, like gloo's own copy. Sums run in
-rank order, the same on every rank. GPUs (NCCL) keep FSDP's own collectives.
+rank order, the same on every rank. With forward prefetch (parallelisms/fsdp.py) the all-gathers
+run as async work, and on a 1-D mesh each reduce-scatter stays in flight while backward computes
+the next group's gradients (ReduceScatterOverlap). GPUs (NCCL) keep FSDP's own collectives.
 """
+
+import functools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -57,19 +62,86 @@ class BroadcastAllGather(DefaultAllocMixin, AllGather):
         return AllWork(works) if async_op else None
 
 
+class ReduceScatterOverlap:
+    """Lets backward go on while a reduce-scatter's bytes move, shared by a model's FSDP modules.
+
+    CPU has no streams: FSDP's reduce-scatter blocks until the slower rank catches up. Here each
+    one is issued as async gloo work and finished (wait, then sum) when the next one starts — at
+    most one in flight, so at most one extra gradient buffer lives — and at the latest by an
+    autograd callback at the end of the backward pass, before anything reads a gradient.
+    """
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[dist.Work, Callable[[], None]]] = []
+        self.callback_queued = False
+
+    def can_defer(self) -> bool:
+        """Whether a reduce-scatter may finish later: only inside a backward pass, whose end runs
+        finish_all (FSDP's final callback calling post_backward counts; callbacks it queues run too)."""
+        if not self.callback_queued:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self.finish_all)
+            except RuntimeError:  # not inside a backward pass (e.g. a pipeline schedule's last reduce)
+                return False
+            self.callback_queued = True
+        return True
+
+    def defer(self, work: dist.Work, finish: Callable[[], None]) -> None:
+        """Finish the one in flight, then leave this one in flight."""
+        self.finish_pending()
+        self.pending.append((work, finish))
+
+    def finish_pending(self) -> None:
+        for work, finish in self.pending:
+            work.wait()
+            finish()
+        self.pending.clear()
+
+    def finish_all(self) -> None:
+        """The end-of-backward callback."""
+        self.finish_pending()
+        self.callback_queued = False
+
+
 class AllToAllReduceScatter(DefaultAllocMixin, ReduceScatter):
-    """Reduce-scatter as one all-to-all (rank i receives every rank's i-th chunk) and a sum."""
+    """Reduce-scatter as one all-to-all (rank i receives every rank's i-th chunk) and a sum; left in
+    flight through `overlap` when FSDP will only view the output as this group's new gradients."""
+
+    def __init__(self, overlap: ReduceScatterOverlap | None = None,
+                 group_params: list[torch.nn.Parameter] | None = None) -> None:
+        self.overlap = overlap
+        self.group_params = group_params or []
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: dist.ReduceOp, async_op: bool = False) -> None:
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             raise ValueError(f"reduce-scatter through all-to-all sums or averages, not {op}")
         received = torch.empty_like(input_tensor)
-        dist.all_to_all_single(received, input_tensor, group=group)
-        torch.sum(received.view(group.size(), -1), dim=0, out=output_tensor.view(-1))
-        if op == dist.ReduceOp.AVG:
-            output_tensor.div_(group.size())
+        # input_tensor rides along so that it lives until the bytes have left.
+        finish = functools.partial(_sum_chunks, received, output_tensor, group.size(),
+                                   op == dist.ReduceOp.AVG, input_tensor)
+        overlap = self.overlap
+        if overlap is not None and self.output_only_viewed(input_tensor.dtype) and overlap.can_defer():
+            overlap.defer(dist.all_to_all_single(received, input_tensor, group=group, async_op=True), finish)
+        else:
+            dist.all_to_all_single(received, input_tensor, group=group)
+            finish()
         return None
+
+    def output_only_viewed(self, reduce_dtype: torch.dtype) -> bool:
+        """Whether FSDP's foreach_reduce (torch 2.13/2.14) will only take views of the output as
+        fresh gradients: none to accumulate into, no cast to the parameter dtype, no
+        post-accumulate hooks. (HSDP's all-reduce reads it too: apply_fsdp gives no overlap there.)"""
+        return all(p.grad is None and p.dtype == reduce_dtype
+                   and not getattr(p, "_post_accumulate_grad_hooks", None) for p in self.group_params)
+
+
+def _sum_chunks(received: torch.Tensor, output: torch.Tensor, world: int, average: bool,
+                sent: torch.Tensor) -> None:
+    """The reduce-scatter's sum, in rank order (the same on every rank)."""
+    torch.sum(received.view(world, -1), dim=0, out=output.view(-1))
+    if average:
+        output.div_(world)
 
 
 def on_gloo(mesh: DeviceMesh) -> bool:
@@ -78,9 +150,13 @@ def on_gloo(mesh: DeviceMesh) -> bool:
     return all(dist.get_backend(mesh.get_group(i)) == "gloo" for i in range(mesh.ndim))
 
 
-def use_cpu_collectives(model: torch.nn.Module) -> None:
-    """Give every FSDP module of the model the CPU collectives above."""
+def use_cpu_collectives(model: torch.nn.Module, overlap_reduce_scatter: bool = False) -> None:
+    """Give every FSDP module of the model the CPU collectives above; overlap_reduce_scatter lets
+    their reduce-scatters run on while backward computes (1-D FSDP meshes)."""
+    overlap = ReduceScatterOverlap() if overlap_reduce_scatter else None
     for module in model.modules():
         if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group  # torch's, underscored in 2.13 and 2.14
+            params = [fsdp_param.sharded_param for fsdp_param in group.fsdp_params] if group else []
             module.set_custom_all_gather(BroadcastAllGather())
-            module.set_custom_reduce_scatter(AllToAllReduceScatter())
+            module.set_custom_reduce_scatter(AllToAllReduceScatter(overlap, params))

@@ -57,7 +57,7 @@ def apply_fsdp(
         fully_shard(tail, reshard_after_forward=False, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
     if on_gloo(mesh):
-        use_cpu_collectives(model)
+        use_cpu_collectives(model, overlap_reduce_scatter=mesh.ndim == 1)
         prefetch_forward([m for m in (embed if not tied else None, *model.layers.values(), *tail[:1])
                           if m is not None], model)
     return model

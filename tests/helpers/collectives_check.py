@@ -1,6 +1,7 @@
 """Run under torchrun (3 ranks): Kiln's gloo all-gather and reduce-scatter
 (parallelisms/cpu_collectives.py) against torch's, on uneven values, sum and average, async, and
-apply_fsdp installing them with forward prefetch; reduce_partial_gradients
+apply_fsdp installing them with forward prefetch, reduce-scatters left in flight through backward
+(same gradients as a plain all-reduce); reduce_partial_gradients
 (parallelisms/partial_gradients.py) against DTensor's own reduction. Rank 0 prints one line per
 check, "<name>: ok" or what differs on any rank; exits 1 if anything differs."""
 
@@ -14,7 +15,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 sys.path.insert(0, ".")
-from parallelisms.cpu_collectives import AllToAllReduceScatter, BroadcastAllGather  # noqa: E402
+from parallelisms.cpu_collectives import (  # noqa: E402
+    AllToAllReduceScatter,
+    BroadcastAllGather,
+    ReduceScatterOverlap,
+)
 from parallelisms.fsdp import apply_fsdp  # noqa: E402
 from parallelisms.partial_gradients import reduce_partial_gradients  # noqa: E402
 
@@ -69,6 +74,57 @@ def collectives(rank: int, world: int) -> list[str]:
     return problems
 
 
+class Chain(nn.Module):
+    """Blocks called one after another through the root's forward, as FSDP's lazy init needs."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers.values():
+            x = block(x)
+        return x
+
+
+def overlapped_reduce_scatter(rank: int, world: int) -> list[str]:
+    """What differs when FSDP's reduce-scatters stay in flight through backward: the gradients
+    against a plain all-reduce of whole ones, over two backwards (the second accumulates, which
+    must not defer), and whether anything was deferred at all or left pending."""
+    torch.manual_seed(0)
+    blocks = [nn.Linear(7, 5), nn.Linear(5, 5), nn.Linear(5, 3)]  # 7x5, 5x5 + 5: uneven shards of 3
+    whole = nn.Sequential(*[nn.Linear(b.in_features, b.out_features) for b in blocks])
+    whole.load_state_dict(nn.Sequential(*blocks).state_dict())
+    model = Chain(blocks)
+    apply_fsdp(model, init_device_mesh("cpu", (world,)), MixedPrecisionPolicy())
+    deferred, defer = [], ReduceScatterOverlap.defer
+    ReduceScatterOverlap.defer = lambda self, work, finish: (deferred.append(1), defer(self, work, finish))
+    try:
+        x = torch.randn(4, 7, generator=torch.Generator().manual_seed(rank))
+        for _ in range(2):
+            model(x).square().sum().backward()
+            whole(x).square().sum().backward()
+    finally:
+        ReduceScatterOverlap.defer = defer
+    problems = [] if len(deferred) == len(blocks) else [f"{len(deferred)} of {len(blocks)} deferred"]
+    groups = [g for b in blocks for g in b._get_fsdp_state()._fsdp_param_groups]
+    overlaps = {id(g._reduce_scatter_comm.overlap) for g in groups}
+    comm = blocks[0]._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm
+    if len(overlaps) != 1 or comm.overlap.pending or comm.overlap.callback_queued:
+        problems.append("overlap not shared, or left pending after backward")
+    for (name, p), q in zip(model.named_parameters(), whole.parameters(), strict=True):
+        dist.all_reduce(q.grad)
+        if not torch.allclose(p.grad.full_tensor(), q.grad / world, rtol=1e-5, atol=1e-6):
+            problems.append(f"gradient of {name}")
+    full, mine = torch.randn(4 * world), torch.empty(4)  # outside backward: finished at once
+    comm(mine, full, dist.group.WORLD, dist.ReduceOp.SUM)
+    gathered = [torch.empty_like(full) for _ in range(world)]
+    dist.all_gather(gathered, full)
+    if not torch.allclose(mine, torch.stack(gathered).sum(0).view(world, -1)[rank], rtol=1e-6, atol=1e-6):
+        problems.append("reduce-scatter outside backward")
+    return problems
+
+
 def partial_gradients(rank: int, world: int) -> list[str]:
     """What differs between reduce_partial_gradients and DTensor's own reduction of Partial grads."""
     mesh = init_device_mesh("cpu", (world,))
@@ -96,7 +152,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     failed = False
-    for check in (collectives, partial_gradients):
+    for check in (collectives, overlapped_reduce_scatter, partial_gradients):
         every_rank: list[list[str]] = [[] for _ in range(world)]
         dist.all_gather_object(every_rank, check(rank, world))
         problems = sorted({p for ps in every_rank for p in ps})
