@@ -1,7 +1,8 @@
 """Run under torchrun (3 ranks): Kiln's gloo all-gather and reduce-scatter
 (parallelisms/cpu_collectives.py) against torch's, on uneven values, sum and average, async, and
 apply_fsdp installing them with forward prefetch, reduce-scatters left in flight through backward
-(same gradients as a plain all-reduce); reduce_partial_gradients
+(same gradients as a plain all-reduce); TP's sequence-parallel styles on those collectives
+(parallelisms/tp_cpu_collectives.py) against torch's own; reduce_partial_gradients
 (parallelisms/partial_gradients.py) against DTensor's own reduction. Rank 0 prints one line per
 check, "<name>: ok" or what differs on any rank; exits 1 if anything differs."""
 
@@ -13,6 +14,12 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 sys.path.insert(0, ".")
 from parallelisms.cpu_collectives import (  # noqa: E402
@@ -22,6 +29,7 @@ from parallelisms.cpu_collectives import (  # noqa: E402
 )
 from parallelisms.fsdp import apply_fsdp  # noqa: E402
 from parallelisms.partial_gradients import reduce_partial_gradients  # noqa: E402
+from parallelisms.tp_cpu_collectives import SequenceRedistribute, on_gloo_styles, redistribute  # noqa: E402
 
 
 def collectives(rank: int, world: int) -> list[str]:
@@ -148,11 +156,74 @@ def partial_gradients(rank: int, world: int) -> list[str]:
     return problems
 
 
+class Mlp(nn.Module):
+    """A sequence-parallel feed-forward: gather the sequence, column- then row-wise linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ff = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ff(x)
+
+
+def _mlp_grads(plan: dict, x: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """Output and every gradient (input, weights) of the MLP under `plan`, from the same seed."""
+    torch.manual_seed(0)
+    model = parallelize_module(Mlp(), init_device_mesh("cpu", (world,)), plan)
+    x = x.clone().requires_grad_()
+    out = model(x)
+    (out * torch.arange(out.numel()).view_as(out)).sum().backward()  # a gradient unlike on every row
+    return [out.detach(), x.grad, *(p.grad.full_tensor() for p in model.parameters())]
+
+
+def sequence_redistribute(rank: int, world: int) -> list[str]:
+    """What differs between TP's styles on Kiln's gloo collectives (parallelisms/tp_cpu_collectives.py)
+    and torch's own: outputs and gradients of a sequence-parallel MLP on odd shapes, a Replicate
+    gradient's backward (a local slice), a sequence that does not divide (torch's path), and
+    whether the forward gathers / reduce-scatters and their backwards really ran through Kiln's."""
+    plan = {"ff": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "ff.0": ColwiseParallel(), "ff.2": RowwiseParallel(output_layouts=Shard(1))}
+    calls = []
+    forward, backward = SequenceRedistribute.forward, SequenceRedistribute.backward
+    SequenceRedistribute.forward = staticmethod(lambda ctx, *a: (calls.append("f"), forward(ctx, *a))[1])
+    SequenceRedistribute.backward = staticmethod(lambda ctx, g: (calls.append("b"), backward(ctx, g))[1])
+    try:
+        x = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(rank)) * (rank + 1)
+        theirs, ours = _mlp_grads(plan, x, world), _mlp_grads(on_gloo_styles(plan), x, world)
+        problems = [] if sorted(calls) == ["b", "b", "f", "f"] else [f"Kiln's path ran {sorted(calls)}"]
+        names = ["output", "input gradient", "w1", "b1", "w2", "b2"]
+        problems += [f"MLP {n}" for n, a, b in zip(names, theirs, ours, strict=True)
+                     if not torch.allclose(a, b, rtol=1e-5, atol=1e-6)]
+        mesh = init_device_mesh("cpu", (world,))
+        calls.clear()
+        local = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+        grads = []
+        for styles in (lambda p: p, on_gloo_styles):
+            layer = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                       use_local_output=True)
+            module = parallelize_module(nn.Identity(), mesh, styles({"": layer})[""])
+            local.grad = None
+            module(local).square().sum().backward()  # a Replicate gradient: sliced, no collective
+            grads.append(local.grad.clone())
+        if not torch.allclose(*grads, rtol=1e-6) or calls != ["f", "b"]:
+            problems.append(f"Replicate gradient (Kiln's path ran {calls})")
+        calls.clear()
+        sizes = [3] + [2] * (world - 1)  # a sequence of 2 · world + 1: uneven, torch's path
+        uneven = DTensor.from_local(torch.full((2, sizes[rank]), float(rank)), mesh, [Shard(1)],
+                                    shape=torch.Size([2, sum(sizes)]), stride=(sum(sizes), 1))
+        if calls or not torch.equal(redistribute(uneven, (Replicate(),)).to_local(), uneven.full_tensor()):
+            problems.append(f"uneven sequence (Kiln's path ran {calls})")
+    finally:
+        SequenceRedistribute.forward, SequenceRedistribute.backward = staticmethod(forward), staticmethod(backward)
+    return problems
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     failed = False
-    for check in (collectives, overlapped_reduce_scatter, partial_gradients):
+    for check in (collectives, overlapped_reduce_scatter, partial_gradients, sequence_redistribute):
         every_rank: list[list[str]] = [[] for _ in range(world)]
         dist.all_gather_object(every_rank, check(rank, world))
         problems = sorted({p for ps in every_rank for p in ps})
