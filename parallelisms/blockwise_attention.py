@@ -7,6 +7,9 @@ Partial results are merged by their log-sum-exp (online softmax); backward recom
 from the saved output and log-sum-exp (flash-attention style), so only one pair's scores exist
 at a time. The keys and values come from
 - `gathered_attention`: all ranks' chunks, already all-gathered (autograd through the gather);
+- `overlapped_gather_attention` (gloo): the gather in flight while the local chunk pairs compute,
+  and in backward the remote chunks' gradients reduce-scattered while the local pairs' backward
+  computes;
 - `ring_attention`: the ring — at step t a rank holds the K/V of rank (r − t) mod cp, the next
   block already in flight; in backward the K/V gradients travel with their block and are home
   after cp steps.
@@ -17,6 +20,8 @@ code: torch's context-parallel attention does not run on CPU.
 
 import torch
 import torch.distributed as dist
+
+from parallelisms.cpu_collectives import BroadcastAllGather
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -30,6 +35,13 @@ def gathered_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor
     """Causal attention of rank's q [b, heads, s, d] over k_all/v_all [b, kv_heads, cp·s, d], every
     rank's chunks in rank order."""
     return _GatheredAttention.apply(q, k_all, v_all, rank, cp)
+
+
+def overlapped_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                group: dist.ProcessGroup) -> torch.Tensor:
+    """Causal attention of q [b, heads, s, d] over every cp rank's k/v [b, kv_heads, s, d], gathered
+    through gloo broadcasts that move while this rank's own chunk pairs compute."""
+    return _OverlappedGatherAttention.apply(q, k, v, group)
 
 
 def _chunk_ids(rank: int, cp: int) -> tuple[int, int]:
@@ -215,3 +227,47 @@ class _GatheredAttention(torch.autograd.Function):
             _backward_pairs(dq, dk[:, :, part], dv[:, :, part], dout, q, k_all[:, :, part], v_all[:, :, part],
                             out, lse, ctx.rank, j, ctx.cp)
         return dq.to(q.dtype), dk.to(k_all.dtype), dv.to(v_all.dtype), None, None
+
+
+class _OverlappedGatherAttention(torch.autograd.Function):
+    """Forward: K/V of every rank gathered by async broadcasts (CPU has no streams: gloo's threads
+    move the bytes) while the queries attend this rank's own chunks, then the other ranks' chunks.
+    Backward: the other ranks' chunk pairs first, their K/V gradients sent home by one async
+    all-to-all while the own pairs' backward runs, then summed with what the other ranks sent."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group):  # noqa: ANN001, ANN205
+        cp, r = group.size(), group.rank()
+        kv = torch.stack([k, v])
+        gathered = kv.new_empty((cp, *kv.shape))  # [cp, 2, b, kv_heads, s, d], rank order
+        work = BroadcastAllGather()(gathered, kv, group, async_op=True)
+        merged = _Merged()
+        _forward_pairs(merged, q, k, v, r, r, cp)
+        work.wait()
+        for j in range(cp):
+            if j != r:
+                _forward_pairs(merged, q, gathered[j, 0], gathered[j, 1], r, j, cp)
+        out, lse = merged.result(q.dtype)
+        ctx.save_for_backward(q, gathered, out, lse)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # noqa: ANN001, ANN205
+        q, gathered, out, lse = ctx.saved_tensors
+        group = ctx.group
+        cp, r = group.size(), group.rank()
+        dout = dout.contiguous()
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        dkv = torch.zeros(gathered.shape, dtype=torch.float32, device=q.device)
+        for j in range(cp):
+            if j != r:
+                _backward_pairs(dq, dkv[j, 0], dkv[j, 1], dout, q, gathered[j, 0], gathered[j, 1], out, lse, r, j, cp)
+        send = dkv.to(gathered.dtype)  # slot r stays zero: the own gradient is added below
+        received = torch.empty_like(send)
+        work = dist.all_to_all_single(received, send, group=group, async_op=True)
+        own = torch.zeros(gathered.shape[1:], dtype=torch.float32, device=q.device)
+        _backward_pairs(dq, own[0], own[1], dout, q, gathered[r, 0], gathered[r, 1], out, lse, r, r, cp)
+        work.wait()
+        dk, dv = (own + received.float().sum(0)).to(gathered.dtype)
+        return dq.to(q.dtype), dk, dv, None
