@@ -21,7 +21,7 @@ code: torch's context-parallel attention does not run on CPU.
 import torch
 import torch.distributed as dist
 
-from parallelisms.cpu_collectives import BroadcastAllGather
+from parallelisms.cpu_collectives import BroadcastAllGather, unowned
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -265,7 +265,7 @@ class _OverlappedGatherAttention(torch.autograd.Function):
                 _backward_pairs(dq, dkv[j, 0], dkv[j, 1], dout, q, gathered[j, 0], gathered[j, 1], out, lse, r, j, cp)
         send = dkv.to(gathered.dtype)  # slot r stays zero: the own gradient is added below
         received = torch.empty_like(send)
-        work = dist.all_to_all_single(received, send, group=group, async_op=True)
+        work = dist.all_to_all_single(unowned(received), unowned(send), group=group, async_op=True)
         own = torch.zeros(gathered.shape[1:], dtype=torch.float32, device=q.device)
         _backward_pairs(dq, own[0], own[1], dout, q, gathered[r, 0], gathered[r, 1], out, lse, r, r, cp)
         work.wait()

@@ -23,6 +23,7 @@ run as async work, and on a 1-D mesh each reduce-scatter stays in flight while b
 the next group's gradients (ReduceScatterOverlap). GPUs (NCCL) keep FSDP's own collectives.
 """
 
+import ctypes
 import functools
 from collections.abc import Callable
 
@@ -53,7 +54,7 @@ class BroadcastAllGather(DefaultAllocMixin, AllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> None:
-        slices = output_tensor.view(group.size(), -1)
+        slices = unowned(output_tensor).view(group.size(), -1)
         mine = slices[group.rank()]
         if mine.data_ptr() != input_tensor.data_ptr():  # FSDP's copy-in usually put it there already
             mine.copy_(input_tensor.view(-1))
@@ -121,10 +122,11 @@ class AllToAllReduceScatter(DefaultAllocMixin, ReduceScatter):
         finish = functools.partial(_sum_chunks, received, output_tensor, group.size(),
                                    op == dist.ReduceOp.AVG, input_tensor)
         overlap = self.overlap
+        out, into = unowned(received), unowned(input_tensor)
         if overlap is not None and self.output_only_viewed(input_tensor.dtype) and overlap.can_defer():
-            overlap.defer(dist.all_to_all_single(received, input_tensor, group=group, async_op=True), finish)
+            overlap.defer(dist.all_to_all_single(out, into, group=group, async_op=True), finish)
         else:
-            dist.all_to_all_single(received, input_tensor, group=group)
+            dist.all_to_all_single(out, into, group=group)
             finish()
         return None
 
@@ -142,6 +144,21 @@ def _sum_chunks(received: torch.Tensor, output: torch.Tensor, world: int, averag
     torch.sum(received.view(world, -1), dim=0, out=output.view(-1))
     if average:
         output.div_(world)
+
+
+def unowned(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as contiguous t, in a tensor that does not keep t's storage alive.
+
+    Kiln's collectives hand gloo these aliases. gloo's worker thread drops its reference to a
+    finished work a moment after the waiter wakes; holding the last reference to a buffer, it would
+    free the memory there, where a profiler of the training thread (components/memory_report.py)
+    never sees the free. With aliases the buffer's owners (FSDP, autograd, Kiln) free it, on the
+    training thread; each keeps its buffer alive until the work is waited.
+    """
+    if t.numel() == 0:
+        return t
+    raw = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    return torch.frombuffer(raw, dtype=t.dtype).view(t.shape)
 
 
 def on_gloo(mesh: DeviceMesh) -> bool:
