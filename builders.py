@@ -18,6 +18,7 @@ from components.errors import KilnError
 from components.parallel_options import ParallelOptions
 from models import ModelSpec, UnknownModelError, get_model_args, get_model_spec
 from models.protocol import args_problems
+from parallelisms.gloo_accelerations import apply_gloo_accelerations
 from parallelisms.layout_checks import ModelShape, stage_layers
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline import stage_ids
@@ -72,13 +73,14 @@ class ModelParts:
     num_stages: int
     num_params: int  # of the whole model, a tied weight once
     tied_names: list[list[str]]  # the names of each weight the model uses twice (tied embeddings)
+    accelerations: list[str]  # what comm.gloo_accelerations changed (nothing off gloo)
 
 
 def build_model_parts(spec: ModelSpec, args: Any, dims: ParallelDims, options: ParallelOptions,
                       convert: Callable[[nn.Module], None] | None = None) -> ModelParts:
     """The model on the meta device, converted (model.converters, e.g. float8 linears), cut into this
     rank's pipeline stages (if any), each part parallelized by the family's parallelize_fn (the mesh
-    must be built)."""
+    must be built); then, with comm.gloo_accelerations, gloo's faster collectives."""
     with torch.device("meta"):
         whole = spec.model_cls(args)
     num_params = sum(p.numel() for p in whole.parameters())
@@ -93,6 +95,9 @@ def build_model_parts(spec: ModelSpec, args: Any, dims: ParallelDims, options: P
         last = len(layers) - 1
         parts = [spec.pipeline_fn(whole, layers[i], i == 0, i == last) for i in ids]
         num_stages = len(layers)
+    accelerations: list[str] = []
     for part in parts:
         spec.parallelize_fn(part, dims, options)
-    return ModelParts(parts, ids, num_stages, num_params, tied)
+        if options.gloo_accelerations:
+            accelerations += [a for a in apply_gloo_accelerations(part) if a not in accelerations]
+    return ModelParts(parts, ids, num_stages, num_params, tied, accelerations)

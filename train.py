@@ -153,6 +153,7 @@ class Trainer:
         self.tied_names = tied  # the checkpoint's optimizer state keeps one copy of a tied weight
         self.flops_per_token = self.spec.flops_per_token_fn(args, self.num_params, t.seq_len)
         self.model_parts, self.stage_ids, self.num_stages = built.parts, built.stage_ids, built.num_stages
+        self.accelerations = built.accelerations
         for part in self.model_parts:
             materialize_and_init(part, lambda: self.spec.model_cls(args), t.seed, self.info.device)
             part.train()
@@ -216,7 +217,7 @@ class Trainer:
         d, a = self.dims, self.model_args
         pipeline = self.step.pipeline
         n_micro = pipeline.n_microbatches if pipeline is not None else 0
-        return startup_summary(self.cfg, RunFacts(
+        lines = startup_summary(self.cfg, RunFacts(
             num_params=self.num_params, embedding_params=a.vocab_size * a.dim,
             flops_per_token=self.flops_per_token, layout=d.describe(
                 self.options, self.num_stages, n_micro,
@@ -226,6 +227,10 @@ class Trainer:
             device_type=self.info.device.type, global_batch=self.global_batch,
             microbatches=self.data.loader.microbatches, data=self.data.description,
             numerics=self._numerics(), peak=self.peak))
+        if self.cfg.comm.gloo_accelerations:  # opt-in, so said whenever asked for
+            done = "; ".join(self.accelerations) or "none apply to this layout or backend"
+            lines += f"\ncomm    gloo accelerations: {done}"
+        return lines
 
     def _numerics(self) -> str:
         """The dtypes the layout really computes and reduces in (FSDP casts; elsewhere autocast)."""

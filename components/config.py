@@ -337,6 +337,11 @@ class Comm:
     timeout_seconds: int = _opt(
         300, "process-group timeout, so a mismatched collective fails instead of hanging", _ge(1)
     )
+    gloo_accelerations: bool = _opt(
+        False, "on gloo (CPU) process groups only: FSDP's all-gather as broadcasts with forward prefetch, "
+        "its reduce-scatter as an all-to-all, context parallel's K/V gather overlapped with attention "
+        "(parallelisms/gloo_accelerations.py); off, every layout runs torch's own collectives, as on GPUs"
+    )
 
 
 @dataclass

@@ -9,17 +9,12 @@ interpreter's; the corpus, read before, is left out as host memory), paired by a
 bytes.
 
 Why by address: the profiler records an allocator event only on a thread it profiles, and gloo
-frees some blocks on its own worker threads — the copy of its input a reduce-scatter works in,
-all-gather outputs whose last reference the finished work drops — so their frees never appear.
-Summed, the events let those blocks live forever: the debug model's TP 2 step showed 28–32 MiB of
-them (CP 2: 31–53 MiB, varying with gloo's thread timing) and a peak 17% above what was live. An
-address the allocator hands out again was free by then, so a new block at a live address ends the
-old one. A block a collective of step 1 made that no tensor holds when step 2 begins was freed too
-(every collective of a step has finished by its end); with both, what is live as step 2 begins is
-what the planner has alive then, to the byte (43,818,228 against 43,818,212 in TP 2). Kiln's own
-gloo collectives (parallelisms/cpu_collectives.py) hand gloo non-owning aliases, so their buffers'
-owners free them on the training thread, seen: before that, on a loaded machine, FSDP 3's measured
-peak moved by up to 16% with gloo's thread timing; now it stays within bytes.
+frees some blocks on its own worker threads (the copy of its input a reduce-scatter works in,
+all-gather outputs whose last reference the finished work drops), so their frees never appear.
+Summed, the events would let those blocks live forever. An address the allocator hands out again
+was free by then, so a new block at a live address ends the old one; and a block a collective of
+step 1 made that no tensor holds when step 2 begins was freed too (every collective of a step has
+finished by its end). With both, what is live as step 2 begins is what the planner has alive then.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ class ParallelOptions:
     pp_layers_per_stage: int = -1
     pp_stage_layers: str = ""
     float8: bool = False  # the blocks' linears are torchao float8 linears (TP takes torchao's float8 styles)
+    gloo_accelerations: bool = False  # parallelisms/gloo_accelerations.py, applied after parallelizing
 
     @classmethod
     def from_config(cls, cfg: JobConfig, device_type: str) -> "ParallelOptions":
@@ -46,4 +47,5 @@ class ParallelOptions:
             pp_layers_per_stage=p.pipeline_parallel_layers_per_stage,
             pp_stage_layers=p.pipeline_parallel_stage_layers,
             float8="float8" in {n.strip() for n in cfg.model.converters.split(",")},
+            gloo_accelerations=cfg.comm.gloo_accelerations,
         )

@@ -4,9 +4,9 @@ Sharding is load-balanced for causal attention ("head-tail"): the sequence is cu
 chunks and rank i keeps chunks i and 2·cp−1−i, so every rank has the same amount of unmasked
 attention work. Inputs, labels and RoPE positions are sharded the same way; the model then runs
 on S/cp tokens per rank and only attention talks to the other ranks, in one of two ways:
-- `allgather`: gather every rank's K and V (one all-gather, autograd through it), then attend; on
-  gloo the gather is broadcasts in flight while the rank's own chunk pairs compute, and the K/V
-  gradients go home by one all-to-all in flight while the own pairs' backward runs;
+- `allgather`: gather every rank's K and V (funcol's all-gather, autograd through it), then attend
+  (with --comm.gloo_accelerations on gloo: broadcasts in flight while the rank attends its own
+  chunks, parallelisms/gloo_accelerations.py);
 - `ring`: pass K/V chunks around the ring (send/recv), so a rank never holds more than two
   ranks' K/V.
 Either way attention runs one chunk pair at a time, merging by log-sum-exp and skipping pairs
@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from components.eager import outside_compile
 from components.errors import KilnError
-from parallelisms.blockwise_attention import gathered_attention, overlapped_gather_attention, ring_attention
+from parallelisms.blockwise_attention import gathered_attention, ring_attention
 
 ROTATE_METHODS = ("allgather", "ring")
 
@@ -49,22 +49,19 @@ def shard_sequence(t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return t.index_select(1, positions.to(t.device))
 
 
-def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
-                        overlapped: bool | None = None) -> torch.Tensor:
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        group: dist.ProcessGroup) -> torch.Tensor:
     """Causal attention of local queries over the keys/values of every cp rank.
 
     q [b, heads, s_local, d], k/v [b, kv_heads, s_local, d]; K and V are gathered along the
-    sequence in rank order, with autograd: the backward reduce-scatters their gradients home.
-    overlapped (default: on gloo) gathers by broadcasts in flight with the own chunks' attention;
-    otherwise funcol's all-gather (NCCL's, with its own streams) comes first.
+    sequence in rank order by funcol's all-gather, with autograd: the backward reduce-scatters their
+    gradients home.
     """
-    if dist.get_backend(group) == "gloo" if overlapped is None else overlapped:
-        return overlapped_gather_attention(q, k, v, group)
     kv = torch.stack([k, v]).movedim(3, 0).contiguous()  # [s_local, 2, b, kv_heads, d]: gather on dim 0
     gathered = all_gather_single_autograd(kv, gather_dim=0, group=group)
     # The copy into [2, b, kv_heads, seq, d] waits for the gather: a funcol result is an
     # AsyncCollectiveTensor, whose every later slice (views keep the wrapper) would go through its
-    # Python dispatch, in forward and in backward (about 3% of a CP 2 debug step).
+    # Python dispatch, in forward and in backward.
     k_all, v_all = gathered.movedim(0, 3).contiguous()
     return gathered_attention(q, k_all, v_all, dist.get_rank(group), dist.get_world_size(group))
 
@@ -80,12 +77,12 @@ class ContextParallelAttention:
         self.cp, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
         self.method = rotate_method
         self.positions = head_tail_positions(seq_len, self.cp, self.rank)
+        # (q, k, v, group) → output; gloo_accelerations may swap in its overlapped gather
+        self.attend: Callable = allgather_attention if rotate_method == "allgather" else ring_attention
 
     @outside_compile  # point-to-point and gathers stay outside compiled graphs
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.method == "allgather":
-            return allgather_attention(q, k, v, self.group)
-        return ring_attention(q, k, v, self.group)
+        return self.attend(q, k, v, self.group)
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int, rotate_method: str) -> None:

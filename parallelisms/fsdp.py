@@ -8,7 +8,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from components.errors import KilnError
-from parallelisms.cpu_collectives import on_gloo, use_cpu_collectives
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -28,8 +27,7 @@ def apply_fsdp(
     """Shard each block, the embeddings, final norm + output, then the root, with FSDP2.
 
     A 2-D mesh (dp_replicate, dp_shard_cp) gives HSDP: sharded within a row, replicated across rows
-    (DDP when a row is one rank). On gloo the shards move through faster collectives
-    (parallelisms/cpu_collectives.py).
+    (DDP when a row is one rank).
     reshard_after_forward: "always", "never", or "default" (reshard, except with pipeline parallel
     where each microbatch would gather the weights again).
     """
@@ -45,9 +43,8 @@ def apply_fsdp(
     tied = embed is not None and output is not None and shares_parameters(embed, output)
     if embed is not None and not tied:
         fully_shard(embed, reshard_after_forward=reshard, **kwargs)
-    # Every block reshards, the last one too: keeping it whole would save one all-gather (1% of a
-    # debug FSDP 2 step, within noise) but holds its full weights through the loss, the step's peak
-    # (+3.3 MiB planned and measured for the debug model, a whole bf16 block at 8B).
+    # Every block reshards, the last one too: keeping it whole would save one all-gather but hold its
+    # full weights through the loss, where the step's memory peaks.
     for block in model.layers.values():
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     # The norm and the head run last and are needed first in backward: never reshard them. A
@@ -56,26 +53,7 @@ def apply_fsdp(
     if tail:
         fully_shard(tail, reshard_after_forward=False, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
-    if on_gloo(mesh):
-        use_cpu_collectives(model, overlap_reduce_scatter=mesh.ndim == 1)
-        prefetch_forward([m for m in (embed if not tied else None, *model.layers.values(), *tail[:1])
-                          if m is not None], model)
     return model
-
-
-def prefetch_forward(order: list[nn.Module], model: nn.Module) -> None:
-    """On CPU: each FSDP module starts the next one's all-gather before it computes, and every
-    unshard (backward's implicit prefetch too) runs as async gloo work, so the transfer overlaps
-    this module's compute instead of stalling the step.
-
-    GPUs overlap through FSDP's all-gather stream without this; CPU has no streams, so without it
-    every all-gather blocks (FSDP 2 debug model on 2 cores: +8% tokens/s, same losses). One more
-    block is whole during forward, as on a GPU with FSDP's own prefetch.
-    """
-    for module, following in zip(order, order[1:], strict=False):
-        module.set_modules_to_forward_prefetch([following])
-    # torch's only switch for async unshards (FSDP2's, underscored in torch 2.13 and 2.14).
-    model._set_unshard_async_op(True)
 
 
 def shares_parameters(a: nn.Module, b: nn.Module) -> bool:

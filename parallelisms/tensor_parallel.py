@@ -23,8 +23,6 @@ from torch.distributed.tensor.parallel import (
 )
 
 from components.errors import KilnError
-from parallelisms.cpu_collectives import on_gloo
-from parallelisms.tp_cpu_collectives import on_gloo_styles
 
 
 def transformer_top_plan(shard_logits: bool) -> dict[str, ParallelStyle]:
@@ -59,15 +57,12 @@ def linear_styles(float8: bool) -> tuple[type, type, type]:
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, top_plan: dict[str, ParallelStyle],
              block_plan: Callable[[nn.Module], dict[str, ParallelStyle]]) -> None:
     """Parallelize the model's own modules with top_plan and each block of model.layers with
-    block_plan(block) (blocks of one model may differ, e.g. dense and MoE). On gloo, torch's styles
-    move their sequence gathers and reduce-scatters through Kiln's CPU collectives
-    (parallelisms/tp_cpu_collectives.py)."""
-    styles = on_gloo_styles if on_gloo(tp_mesh) else (lambda plan: plan)
-    top = styles({k: v for k, v in top_plan.items() if _has(model, k)})
+    block_plan(block) (blocks of one model may differ, e.g. dense and MoE)."""
+    top = {k: v for k, v in top_plan.items() if _has(model, k)}
     parallelize_module(model, tp_mesh, top)
     plans = [top]
     for block in model.layers.values():
-        plans.append(styles(block_plan(block)))
+        plans.append(block_plan(block))
         parallelize_module(block, tp_mesh, plans[-1])
     # What the start-up summary says of this layout: sequence parallel only if the plan has it.
     model.tp_sequence_parallel = any(shards_sequence(style) for plan in plans for style in plan.values())

@@ -1,5 +1,6 @@
-"""gloo's all-gather and reduce-scatter beside Kiln's (parallelisms/cpu_collectives.py): ms per
-call by shard size. Run under torchrun (scripts/benchmark.py --tables collectives does):
+"""gloo's all-gather and reduce-scatter beside the gloo accelerations'
+(parallelisms/gloo_accelerations.py): ms per call by shard size. Run under torchrun
+(scripts/benchmark.py --tables collectives does):
 
     torchrun --standalone --nproc-per-node 2 scripts/benchmark_collectives.py
 """
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from parallelisms.cpu_collectives import AllToAllReduceScatter, BroadcastAllGather  # noqa: E402
+from parallelisms.gloo_accelerations import AllToAllReduceScatter, BroadcastAllGather  # noqa: E402
 
 
 def ms_per_call(fn: Callable[[], None], calls: int = 20) -> float:

@@ -14,8 +14,8 @@ CP2 = ["--parallelism.context_parallel_degree", "2"]
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_attention_matches_full_attention(cp):
-    """Output and q/k/v gradients of both rotate methods (allgather on gloo's overlapped route and on
-    NCCL's funcol route; MHA and GQA) within 1e-5 of full SDPA."""
+    """Output and q/k/v gradients of both rotate methods (allgather through funcol's all-gather and
+    through the gloo accelerations' overlapped broadcasts; MHA and GQA) within 1e-5 of full SDPA."""
     proc = run_train([], nproc=cp, script="tests/helpers/cp_attention_check.py")
     check_ok(proc)
     lines = [line for line in proc.stdout.splitlines() if "max abs diff" in line]
@@ -60,27 +60,61 @@ def test_resume_across_cp(first, then, tmp_path, data_cache):
         assert abs(got[step]["grad_norm"] - ref[step]["grad_norm"]) <= 1e-4 * ref[step]["grad_norm"], step
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_block_kernels_fused_and_plain_agree(causal):
-    """The plain-matmul pair kernels (used off CPU) equal torch's CPU flash kernels: output,
-    log-sum-exp, and the gradients from a given output and log-sum-exp."""
+def _math_pair(q, k, v, dout, causal: bool):  # noqa: ANN001, ANN202
+    """The reference: a pair's output, log-sum-exp and gradients by plain matmuls (the [c, c] score
+    matrix the fused kernels never hold)."""
     import torch
 
-    from parallelisms.blockwise_attention import _block_backward, _block_forward
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if causal:
+        s = s.masked_fill(torch.ones_like(s[0, 0], dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.exp(s - lse.unsqueeze(-1)) @ v
+    out.backward(dout)
+    return out.detach(), lse.detach(), (q.grad, k.grad, v.grad)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_pair_kernel_equals_plain_attention(causal):
+    """The CPU pair kernel's output, log-sum-exp, and gradients from a given output and log-sum-exp
+    equal the plain-matmul reference."""
+    import torch
+
+    from parallelisms.attention_kernels import choose_kernel, pair_backward, pair_forward
 
     gen = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(2, 3, 8, 16, generator=gen) for _ in range(4))
-    fused_out, fused_lse = _block_forward(q, k, v, causal, fused=True)
-    plain_out, plain_lse = _block_forward(q, k, v, causal, fused=False)
-    torch.testing.assert_close(plain_out, fused_out, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(plain_lse, fused_lse, atol=1e-5, rtol=1e-5)
-    fused = _block_backward(dout, q, k, v, fused_out, fused_lse, causal, fused=True)
-    plain = _block_backward(dout, q, k, v, fused_out, fused_lse, causal, fused=False)
-    for a, b in zip(plain, fused, strict=True):
-        torch.testing.assert_close(a.float(), b.float(), atol=1e-5, rtol=1e-5)
-    # And both are the gradients of ordinary attention.
-    ref_q, ref_k, ref_v = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = torch.nn.functional.scaled_dot_product_attention(ref_q, ref_k, ref_v, is_causal=causal)
-    ref.backward(dout)
-    for got, want in zip(fused, (ref_q.grad, ref_k.grad, ref_v.grad), strict=True):
+    assert choose_kernel(q, v) == "cpu_flash"
+    out, lse, kernel = pair_forward(q, k, v, causal)
+    want_out, want_lse, want_grads = _math_pair(q, k, v, dout, causal)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    for got, want in zip(pair_backward(dout, q, k, v, out, lse, causal, kernel), want_grads, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["flash", "efficient"])
+def test_cuda_pair_kernels_take_what_they_return(kernel):
+    """The CUDA kernels' calls on meta tensors (torch's shape functions, no GPU needed): forward gives
+    an output and an unpadded fp32 log-sum-exp per query, and backward accepts the merged
+    log-sum-exp and what forward returned, giving gradients of q, k, v's shapes."""
+    import torch
+
+    from parallelisms.attention_kernels import pair_backward, pair_forward
+
+    q, k, v = (torch.empty(2, 4, 40, 64, dtype=torch.bfloat16, device="meta") for _ in range(3))
+    out, lse, saved = pair_forward(q, k, v, True, kernel=kernel)
+    assert saved.name == kernel and out.shape == q.shape
+    assert lse.shape == (2, 4, 40) and lse.dtype == torch.float32
+    grads = pair_backward(torch.empty_like(out), q, k, v, out, lse.clone(), True, saved)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+def test_exception_during_overlapped_gather_exits_cleanly():
+    """An exception while the gloo accelerations' CP broadcasts or gradient all-to-all are in flight:
+    both ranks go on (memory intact, the next attention right) and exit 0 — no double free."""
+    proc = run_train([], nproc=2, script="tests/helpers/cp_exception_check.py")
+    check_ok(proc)
+    assert "ok" in proc.stdout.splitlines()
+    assert "double free" not in proc.stderr and "corruption" not in proc.stderr

@@ -50,6 +50,16 @@ LAYOUTS = {
     "fsdp2_tp2_compile": (4, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4",
                               "--compile.enable"]),
 }
+# The gloo accelerations (parallelisms/gloo_accelerations.py): every row above runs torch's own
+# collectives, the GPU users' path; these run the opt-in gloo ones, and must say so at start-up.
+GLOO_ACC = ["--comm.gloo_accelerations"]
+ACCELERATED = {
+    "fsdp2_gloo_acc": (LAYOUTS["fsdp2"], "FSDP broadcast all-gather"),
+    "hsdp2x2_gloo_acc": (LAYOUTS["hsdp2x2"], "FSDP broadcast all-gather"),
+    "tp2_gloo_acc": (LAYOUTS["tp2"], "none apply"),
+    "cp2_allgather_gloo_acc": (LAYOUTS["cp2_allgather"], "CP overlapped K/V gather"),
+    "fsdp2_tp2_gloo_acc": (LAYOUTS["fsdp2_tp2"], "FSDP broadcast all-gather"),
+}
 
 
 def _relative(a: float, b: float) -> float:
@@ -65,12 +75,15 @@ def reference(tmp_path_factory, data_cache):
     return train_rows(dump)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [*LAYOUTS, *ACCELERATED])
 def test_layout_matches_single_process(layout, reference, tmp_path, data_cache):
-    nproc, args = LAYOUTS[layout]
-    proc = run_train([*TINY, *GLOBAL_BATCH, *args, "--job.dump_folder", str(tmp_path),
-                      "--training.data_cache_dir", str(data_cache)], nproc=nproc)
+    (nproc, args), said = (ACCELERATED[layout][0], ACCELERATED[layout][1]) if layout in ACCELERATED else (
+        LAYOUTS[layout], None)
+    proc = run_train([*TINY, *GLOBAL_BATCH, *args, *(GLOO_ACC if said else []), "--job.dump_folder",
+                      str(tmp_path), "--training.data_cache_dir", str(data_cache)], nproc=nproc)
     check_ok(proc)
+    comm = [line for line in proc.stdout.splitlines() if line.startswith("comm    gloo accelerations:")]
+    assert (comm and said in comm[0]) if said else not comm, comm
     rows = train_rows(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 11))
     assert reference[-1]["loss"] < reference[0]["loss"] - 0.2, "the reference run did not learn"
