@@ -1,5 +1,6 @@
 """scripts/gpu_check.py in its CPU mode: the same checks on tiny shapes, so the GPU check is never a
-stub — bf16 compiled vs eager, exact resume, throughput eager and compiled, shard-only init."""
+stub — bf16 compiled vs eager, exact resume, throughput eager and compiled, shard-only init, CP's
+chunked attention against SDPA, and FSDP 2 / TP 2 / CP 2 parity over two processes (gloo here)."""
 
 import subprocess
 import sys
@@ -23,3 +24,7 @@ def test_gpu_check_runs_on_cpu():
         assert "tok/s/device" in rows[name] and "MFU" in rows[name], rows
     init = next(v for k, v in rows.items() if k.startswith("init tiny"))
     assert init.startswith("peak "), init
+    cp = next(v for k, v in rows.items() if k.startswith("CP attention"))
+    assert float(cp.split()[3]) < 1e-5, cp  # fp32: chunked and whole attention agree to rounding
+    parity = {k: v for k, v in rows.items() if k.startswith("parity ")}
+    assert len(parity) == 3 and all(v.startswith("ok: ") for v in parity.values()), parity
