@@ -3,7 +3,8 @@ independent reference loop, layout by layout, on the same work.
 
 Shape of TorchTitan's `debugmodel` (dim 256, 6 layers, 16 heads, SwiGLU hidden 768), vocabulary
 4096 (Kiln's tokenizer), seq 128, local batch 4, fp32, one thread per process. Three trainers:
-- Kiln: train.py;
+- Kiln: train.py, twice: with torch's own collectives (the default, what TorchTitan uses too, so
+  the ratio measures the framework) and with --comm.gloo_accelerations;
 - TorchTitan: scripts/torchtitan_cpu.py, its own Trainer with CPU patches, run by the interpreter
   given as `--torchtitan-python` (an environment where torchtitan is installed; column left out
   without it);
@@ -66,13 +67,15 @@ def _json_result(cmd: list[str]) -> tuple[float, float]:
     return row["tps"], row["peak_rss_mib"] / 1024
 
 
-def kiln_runner(steps: int, warmup: int, cache: Path) -> Run:
-    """Kiln's train.py: the median step's global tokens/s, peak RSS GiB of rank 0."""
+def kiln_runner(steps: int, warmup: int, cache: Path, accelerate: bool = False) -> Run:
+    """Kiln's train.py (accelerate: with --comm.gloo_accelerations): the median step's global
+    tokens/s, peak RSS GiB of rank 0."""
     def run(nproc: int, extra: list[str]) -> tuple[float, float]:
         with tempfile.TemporaryDirectory() as dump:
             args = ["--config", "llama_debug", *SHAPE, "--training.global_batch_size", "-1",
                     "--training.steps", str(steps), "--metrics.log_freq", "1", "--job.dump_folder", dump,
-                    "--training.data_cache_dir", str(cache), *extra]
+                    "--training.data_cache_dir", str(cache), *extra,
+                    *(["--comm.gloo_accelerations"] if accelerate else [])]
             env = dict(os.environ, OMP_NUM_THREADS="1")
             subprocess.run(_launch(sys.executable, nproc, "train.py", args), cwd=REPO, env=env, check=True,
                            capture_output=True)
@@ -114,7 +117,8 @@ def speed_table(steps: int, warmup: int, repeats: int, cache: Path, torchtitan_p
     unknown = set(only or []) - set(LAYOUTS)
     if unknown:
         raise SystemExit(f"unknown layouts {sorted(unknown)}; known: {'; '.join(LAYOUTS)}")
-    runners = {"Kiln": kiln_runner(steps, warmup, cache)}
+    runners = {"Kiln": kiln_runner(steps, warmup, cache),
+               ACCELERATED: kiln_runner(steps, warmup, cache, accelerate=True)}
     if torchtitan_python:
         runners["TorchTitan"] = torchtitan_runner(torchtitan_python, steps, warmup)
     runners["reference"] = reference_runner(steps, warmup, cache)
@@ -123,7 +127,7 @@ def speed_table(steps: int, warmup: int, repeats: int, cache: Path, torchtitan_p
     print(f"\ndebug shape (dim 256, 6 layers, 16 heads, vocab 4096), seq 128, local batch 4 (CP 2: 8), fp32, "
           f"1 thread per process, {steps} steps ({warmup} untimed), median step, "
           f"median of {repeats} run(s)\n")
-    print(table(med, list(layouts), [who for who in runners if who != "Kiln"]))
+    print(table(med, list(layouts), [who for who in runners if who not in KILN]))
 
 
 def chosen_layouts(only: list[str] | None, trainers: list[str]) -> dict[str, tuple]:
@@ -135,7 +139,9 @@ def chosen_layouts(only: list[str] | None, trainers: list[str]) -> dict[str, tup
     return layouts
 
 
-COLUMN = {"Kiln": 1, "TorchTitan": 2, "reference": 3}  # where each trainer's options sit in LAYOUTS
+ACCELERATED = "Kiln, gloo acc."
+KILN = ("Kiln", ACCELERATED)  # Kiln with torch's collectives, then with --comm.gloo_accelerations
+COLUMN = {"Kiln": 1, ACCELERATED: 1, "TorchTitan": 2, "reference": 3}  # trainer → its options in LAYOUTS
 
 
 def measure(layouts: dict[str, tuple], runners: dict[str, Run], repeats: int
@@ -153,21 +159,21 @@ def measure(layouts: dict[str, tuple], runners: dict[str, Run], repeats: int
 
 
 def table(med: dict[tuple[str, str], tuple[float, float]], layouts: list[str], others: list[str]) -> str:
-    """The markdown table: Kiln's tokens/s, the others', Kiln / each (against the other's FSDP 2
-    figure where it has no such layout, marked "vs FSDP 2"), and the peak memories."""
-    head = ["layout", "Kiln tok/s", *(f"{w} tok/s" for w in others), *(f"Kiln / {w}" for w in others),
-            "Kiln peak GiB", *(f"{w} GiB" for w in others)]
+    """The markdown table: Kiln's tokens/s (torch's collectives, gloo accelerations), the others',
+    each Kiln / each other (against the other's FSDP 2 figure where it has no such layout, marked
+    "vs FSDP 2"), and the peak memories."""
+    ratios = [(k, w) for k in KILN for w in others]
+    head = ["layout", *(f"{k} tok/s" for k in KILN), *(f"{w} tok/s" for w in others),
+            *(f"{k} / {w}" for k, w in ratios), *(f"{k} GiB" for k in KILN), *(f"{w} GiB" for w in others)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in layouts:
-        tps, mem = med[("Kiln", name)]
-        cells = [name, f"{tps:,.0f}"]
+        cells = [name, *(f"{med[(k, name)][0]:,.0f}" for k in KILN)]
         cells += [f"{med[(w, name)][0]:,.0f}" if (w, name) in med else "—" for w in others]
-        for w in others:
-            if (w, name) in med:
-                cells.append(f"{tps / med[(w, name)][0]:.2f}")
-            else:
-                cells.append(f"{tps / med[(w, 'FSDP 2')][0]:.2f} vs FSDP 2")
-        cells.append(f"{mem:.2f}")
+        for k, w in ratios:
+            tps = med[(k, name)][0]
+            cells.append(f"{tps / med[(w, name)][0]:.2f}" if (w, name) in med
+                         else f"{tps / med[(w, 'FSDP 2')][0]:.2f} vs FSDP 2")
+        cells += [f"{med[(k, name)][1]:.2f}" for k in KILN]
         cells += [f"{med[(w, name)][1]:.2f}" if (w, name) in med else "—" for w in others]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

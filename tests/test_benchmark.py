@@ -60,12 +60,17 @@ def test_runs_alternate_and_ratios_divide_the_right_cells() -> None:
             return rate * nproc, 0.5
         return run
 
-    layouts = benchmark_speed.chosen_layouts(["1 process", "TP 2"], ["Kiln", "reference"])
-    runners = {"Kiln": runner("Kiln", 300.0), "reference": runner("reference", 200.0)}
+    acc = benchmark_speed.ACCELERATED
+    layouts = benchmark_speed.chosen_layouts(["1 process", "TP 2"], ["Kiln", acc, "reference"])
+    runners = {"Kiln": runner("Kiln", 300.0), acc: runner(acc, 330.0),
+               "reference": runner("reference", 200.0)}
     med = benchmark_speed.measure(layouts, runners, repeats=2)
-    # 2 rounds × (FSDP 2: both, 1 process: both, TP 2: Kiln only): Kiln and the reference alternate
-    assert calls == ["Kiln", "reference", "Kiln", "reference", "Kiln"] * 2
+    # 2 rounds × (FSDP 2: all, 1 process: all, TP 2: both Kilns only): the trainers alternate
+    assert calls == ["Kiln", acc, "reference", "Kiln", acc, "reference", "Kiln", acc] * 2
     text = benchmark_speed.table(med, list(layouts), ["reference"]).splitlines()
+    assert text[0].split(" | ")[1:6] == ["Kiln tok/s", f"{acc} tok/s", "reference tok/s", "Kiln / reference",
+                                         f"{acc} / reference"]
     cells = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in text[2:]}
-    assert cells["1 process"][1:4] == ["300", "200", "1.50"]
-    assert cells["TP 2"][1:4] == ["600", "—", "1.50 vs FSDP 2"]  # 600 against the reference's FSDP 2 (400)
+    assert cells["1 process"][1:6] == ["300", "330", "200", "1.50", "1.65"]
+    # 600 and 660 against the reference's FSDP 2 (400)
+    assert cells["TP 2"][1:6] == ["600", "660", "—", "1.50 vs FSDP 2", "1.65 vs FSDP 2"]
