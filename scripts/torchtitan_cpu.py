@@ -1,4 +1,4 @@
-"""TorchTitan itself on CPU, for the speed table of scripts/benchmark_speed.py (issue 20).
+"""TorchTitan 0.3.0 itself on CPU, for the speed table of scripts/benchmark_speed.py.
 
 Trains TorchTitan's own llama3 `debugmodel` (dim 256, 6 layers, 16 heads, SwiGLU hidden 768 =
 compute_ffn_hidden_dim(256, multiple_of=256), as Kiln's debug flavor) with vocab 4096 (Kiln's
@@ -68,29 +68,33 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-VOCAB, SEQ, BATCH = 4096, 128, 4  # Kiln's debug vocab; the comparison's shape
+SEQ, BATCH = 128, 4  # the comparison's shape
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _patch_for_cpu() -> None:
-    """Make TorchTitan run on CPU/gloo; must run before any other torchtitan import."""
+class CpuModule:
+    """torch.cpu, but current_device() is an index, as barrier(device_ids=...) needs."""
+
+    def __getattr__(self, name: str) -> Any:
+        import torch
+
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+
+def _patch_for_cpu(fsdp_alone: bool) -> None:
+    """Make TorchTitan run on CPU/gloo; must run before any other torchtitan import. Without
+    fsdp_alone, no FSDP over a data-parallel mesh of one rank (TorchTitan 0.3.0 applies it)."""
     import torch
     import torchtitan.tools.utils as tt_utils
-
-    class CpuModule:
-        """torch.cpu, but current_device() is an index, as barrier(device_ids=...) needs."""
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(torch.cpu, name)
-
-        @staticmethod
-        def current_device() -> int:
-            return 0
 
     tt_utils.device_type, tt_utils.device_module = "cpu", CpuModule()
 
@@ -106,10 +110,30 @@ def _patch_for_cpu() -> None:
                 module.set_force_sum_reduction_for_comms(True)
 
     tt_fsdp.disable_fsdp_gradient_division = disable_division_sum_only
+    if not fsdp_alone:
+        import torchtitan.models.llama3.parallelize as tt_parallelize
+
+        shard = tt_parallelize.apply_fsdp_to_decoder
+
+        def shard_over_two_or_more(model: torch.nn.Module, dp_mesh: Any, **options: Any) -> None:
+            if dp_mesh.size() > 1:
+                shard(model, dp_mesh, **options)
+
+        tt_parallelize.apply_fsdp_to_decoder = shard_over_two_or_more
+
+    tt_metrics.build_device_memory_monitor = rss_monitor(tt_metrics)
+
+    if not hasattr(torch.distributed, "set_timeout"):  # public in torch after 2.13
+        torch.distributed.set_timeout = torch.distributed.distributed_c10d._set_pg_timeout
+
+
+def rss_monitor(tt_metrics: Any) -> type:
+    """TorchTitan's DeviceMemoryMonitor reporting this process's peak RSS (its own is CUDA-only)."""
+    import torch
 
     class RssMonitor(tt_metrics.DeviceMemoryMonitor):
         def __init__(self, device: str = "cpu") -> None:
-            self.device = torch.device(device)
+            self.device = torch.device("cpu")
             self.device_name, self.device_index = "cpu", 0
             self.device_capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             self.device_capacity_gib = self._to_gib(self.device_capacity)
@@ -122,13 +146,10 @@ def _patch_for_cpu() -> None:
         def reset_peak_stats(self) -> None:
             pass
 
-    tt_metrics.build_device_memory_monitor = RssMonitor
-
-    if not hasattr(torch.distributed, "set_timeout"):  # public in torch after 2.13
-        torch.distributed.set_timeout = torch.distributed.distributed_c10d._set_pg_timeout
+    return RssMonitor
 
 
-def _register_corpus(name: str, corpus: Path) -> None:
+def register_corpus(name: str, corpus: Path) -> None:
     """Kiln's Shakespeare (jsonl.gz, a "text" field) as an in-memory TorchTitan dataset."""
     from datasets import Dataset
     from torchtitan.hf_datasets import DatasetConfig
@@ -171,10 +192,10 @@ def _config(a: argparse.Namespace, dump: str) -> Any:
 
     cfg = llama3_debugmodel()
     model = cfg.model_spec.model
-    model.vocab_size = model.tok_embeddings.num_embeddings = model.lm_head.out_features = VOCAB
+    model.vocab_size = model.tok_embeddings.num_embeddings = model.lm_head.out_features = a.vocab
     for _, _, attention, field in model.traverse(FlexAttention.Config):  # no CPU backward
         setattr(attention, field, ScaledDotProductAttention.Config())
-    plain = CrossEntropyLoss.Config(global_vocab_size=VOCAB)
+    plain = CrossEntropyLoss.Config(global_vocab_size=a.vocab)
     cfg.loss = plain if a.loss == "ce" else ChunkedLossWrapper.Config(loss_fn=plain)
     cfg.hf_assets_path = str(a.tokenizer)
     cfg.dump_folder = dump
@@ -197,7 +218,7 @@ def _config(a: argparse.Namespace, dump: str) -> Any:
 
 def _train(a: argparse.Namespace, scratch: str) -> tuple[list[float], int, int]:
     """Run TorchTitan's trainer; (end time of each step, global rows per step, rank)."""
-    _patch_for_cpu()
+    _patch_for_cpu(a.fsdp_one_process)
     import torch.distributed as dist
     from torchtitan.tools.logging import init_logger, logger
     from torchtitan.trainer import Trainer
@@ -222,7 +243,7 @@ def _train(a: argparse.Namespace, scratch: str) -> tuple[list[float], int, int]:
     init_logger()
     for handler in logger.handlers:
         handler.setStream(sys.stderr)  # stdout carries only the result line
-    _register_corpus("kiln_shakespeare", a.corpus)
+    register_corpus("kiln_shakespeare", a.corpus)
     trainer = TimedTrainer(_config(a, scratch))
     try:
         trainer.train()
@@ -248,6 +269,10 @@ def main() -> None:
     ap.add_argument("--loss", choices=["chunked", "ce"], default="chunked",
                     help="debugmodel's chunked loss (its default) or plain cross-entropy "
                          "(its llama3_debugmodel_ce_loss)")
+    ap.add_argument("--fsdp-one-process", action=argparse.BooleanOptionalAction, default=True,
+                    help="FSDP over a data-parallel mesh of one rank, as TorchTitan 0.3.0 does (--no-...: "
+                         "none, as its TOML-era releases did)")
+    ap.add_argument("--vocab", type=int, default=4096, help="the model's vocabulary (tokenizer's ids < it)")
     ap.add_argument("--corpus", type=Path, default=REPO / "assets/data/shakespeare/train.jsonl.gz")
     ap.add_argument("--tokenizer", type=Path, default=REPO / "assets/tokenizer")
     a = ap.parse_args()
@@ -255,7 +280,7 @@ def main() -> None:
         ap.error("--steps must exceed --warmup (and 1)")
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
         os.environ.setdefault(key, value)  # plain `python` is a world of one
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     scratch = tempfile.mkdtemp(prefix="torchtitan_cpu_")  # dump folder and HF cache, per process
     os.environ["HF_HOME"] = os.path.join(scratch, "hf")
     try:
