@@ -342,7 +342,7 @@ class Trainer:
             self.say("profiling.enable_memory_snapshot: memory snapshots are CUDA-only, none on "
                      f"{device.type}; peak memory (RSS) is still in every metrics row")
             snapshots = None
-        return maybe_profile(pc.enable_profiling or snapshots is not None, self.dump / pc.save_traces_folder,
+        return maybe_profile(pc.enable_profiling, self.dump / pc.save_traces_folder,
                              pc.profile_freq, self.info.rank, pc.profiler_warmup, pc.profiler_active,
                              snapshots)
 

@@ -39,11 +39,18 @@ class DistInfo:
         return self.rank == 0
 
 
-def pick_device(local_rank: int) -> torch.device:
-    """cuda:LOCAL_RANK when GPUs are present, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+def pick_device(local_rank: int, local_world_size: int = 1) -> torch.device:
+    """cuda:LOCAL_RANK when GPUs are present, else the CPU. More processes on a node than visible
+    GPUs is an error on every rank, since two ranks on one GPU would share its memory (NCCL refuses)."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    gpus = torch.cuda.device_count()
+    processes = max(local_rank + 1, local_world_size)
+    if processes > gpus:
+        visible = "cuda:0" if gpus == 1 else f"cuda:0..{gpus - 1}"
+        raise KilnError(f"{processes} processes on this node but it has {gpus} visible GPU(s) ({visible}): "
+                        f"launch at most {gpus} per node (torchrun --nproc-per-node={gpus})")
+    return torch.device("cuda", local_rank)
 
 
 def init_distributed(timeout_seconds: int) -> DistInfo:
@@ -56,7 +63,7 @@ def init_distributed(timeout_seconds: int) -> DistInfo:
     watch_agent()
     share_tokenizer_threads()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = pick_device(local_rank)
+    device = pick_device(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = None
