@@ -59,7 +59,7 @@ from components.preemption import StopRequest
 from components.profiling import maybe_profile
 from components.run_data import DataRanks, build_run_data, cache_folder
 from components.run_records import keep_earlier_run
-from components.run_summary import RunEnd, RunFacts, end_summary, startup_summary
+from components.run_summary import RunEnd, RunFacts, compiled_graphs, end_summary, startup_summary
 from components.shared_folder import unseen_by
 from components.tokenizer import Tokenizer
 from components.wandb_run import WandbOptions
@@ -309,7 +309,7 @@ class Trainer:
             run_seconds=self.metrics.run_time(), world_size=self.info.world_size,
             last_row=self.metrics.last_row, last_val=self.metrics.last_val, peak_mem_gib=self._peak_memory(),
             checkpoint=self.last_checkpoint, checkpointing=self.checkpoint.enable, dump=self.dump,
-            stopped_by=stopped_by)))
+            stopped_by=stopped_by, compiled_graphs=compiled_graphs() if cfg.compile.enable else None)))
 
     def _keep_earlier_records(self) -> None:
         """A new run (nothing resumed) in a folder holding another run's records moves them aside."""

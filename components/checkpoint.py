@@ -22,9 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from components.checkpoint_integrity import checkpoint_problem, write_manifest
+from components.checkpoint_integrity import SafeFileSystemReader, checkpoint_problem, write_manifest
 from components.checkpoint_states import SafeLoadPlanner
 from components.errors import KilnError
 from components.folders import require_writable
@@ -61,11 +62,23 @@ def complete_checkpoints(folder: Path) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
+def _reason(error: BaseException) -> str:
+    """One line saying why a DCP call failed: under DCP's CheckpointException, the first failing
+    rank's own error; a weights-only refusal's line naming the global it blocked, if any."""
+    if isinstance(error, CheckpointException) and error.failures:
+        first = next(iter(error.failures.values()))
+        error = first[0] if isinstance(first, tuple) else first
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    head = lines[0] if lines else ""
+    blocked = next((line for line in lines if "GLOBAL " in line and line != head), "")
+    return f"{type(error).__name__}: {head}" + (f" ({blocked})" if blocked else "")
+
+
 def checkpoint_keys(path: Path) -> dict[str, tuple[int, ...] | None]:
     """Every key stored in a DCP checkpoint: the global shape of a tensor, None for other values."""
     try:
-        meta = dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # a truncated or foreign file: say which folder, not a pickle trace
+        meta = SafeFileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a truncated, foreign or crafted file: say which folder, not a pickle trace
         raise KilnError(f"cannot read checkpoint metadata in {path}: {e}") from None
     return {k: tuple(v.size) if hasattr(v, "size") else None for k, v in meta.state_dict_metadata.items()}
 
@@ -219,11 +232,11 @@ class CheckpointManager:
         start = time.perf_counter()
         try:
             with one_process_quiet():
-                dcp.load(loading, checkpoint_id=str(path), planner=SafeLoadPlanner())
+                dcp.load(loading, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
         except KilnError:
             raise
-        except Exception as e:
-            raise KilnError(f"cannot load checkpoint {path}: {type(e).__name__}: {e}") from None
+        except (Exception, CheckpointException) as e:  # DCP's own error is a BaseException
+            raise KilnError(f"cannot load checkpoint {path}: {_reason(e)}") from None
         self.last_load_seconds = time.perf_counter() - start
         return list(loading)
 
@@ -251,8 +264,11 @@ class CheckpointManager:
             self._pending = (future, step, tmp, final)
             self.last_save_seconds = {"blocked": time.perf_counter() - start}
             return
-        with one_process_quiet():
-            dcp.save(state, checkpoint_id=str(tmp))
+        try:
+            with one_process_quiet():
+                dcp.save(state, checkpoint_id=str(tmp))
+        except CheckpointException as e:  # a BaseException: it would pass every `except Exception`
+            raise KilnError(f"cannot save checkpoint {final}: {_reason(e)}") from None
         if os.environ.get("KILN_TEST_CRASH_DURING_SAVE") == str(step) and self.is_main:
             # Fault injection for the crash-consistency test: die after writing, before publishing.
             os.kill(os.getpid(), signal.SIGKILL)
@@ -282,8 +298,8 @@ class CheckpointManager:
         self._pending = None
         try:
             future.result()
-        except Exception as e:
-            raise KilnError(f"asynchronous save of {final} failed: {type(e).__name__}: {e}") from None
+        except (Exception, CheckpointException) as e:
+            raise KilnError(f"asynchronous save of {final} failed: {_reason(e)}") from None
         self._finish(step, tmp, final)
 
     def _finish(self, step: int, tmp: Path, final: Path) -> None:
@@ -344,6 +360,7 @@ def load_model_weights(model: torch.nn.Module, checkpoint: Path) -> None:
     check_model_matches(state.state_dict(), checkpoint_shapes(checkpoint), checkpoint)
     try:
         with one_process_quiet():
-            dcp.load({"model": state}, checkpoint_id=str(checkpoint), planner=SafeLoadPlanner())
-    except Exception as e:  # a damaged file: name the folder rather than show DCP's internals
-        raise KilnError(f"cannot load checkpoint {checkpoint}: {type(e).__name__}: {e}") from None
+            dcp.load({"model": state}, storage_reader=SafeFileSystemReader(str(checkpoint)),
+                     planner=SafeLoadPlanner())
+    except (Exception, CheckpointException) as e:  # a damaged file: name the folder, not DCP's internals
+        raise KilnError(f"cannot load checkpoint {checkpoint}: {_reason(e)}") from None

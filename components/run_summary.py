@@ -64,6 +64,15 @@ class RunEnd:
     checkpointing: bool
     dump: Path
     stopped_by: str = ""  # the signal that stopped it early, "" when it reached training.steps
+    compiled_graphs: int | None = None  # graphs torch.compile produced in this process; None: compile off
+
+
+def compiled_graphs() -> int:
+    """How many distinct graphs torch.compile's Dynamo has produced in this process so far: a run with
+    compile on that reports 0 compiled nothing (every block fell back to eager)."""
+    from torch._dynamo.utils import counters  # private to torch (components/torch_private.py)
+
+    return counters["stats"]["unique_graphs"]
 
 
 def duration(seconds: float) -> str:
@@ -85,6 +94,8 @@ def end_summary(end: RunEnd) -> str:
     loss = [f"loss {e.last_row['loss']:.4f} at step {e.last_row['step']}"] if e.last_row else []
     if e.last_val:
         loss.append(f"validation loss {e.last_val['val_loss']:.4f} at step {e.last_val['step']}")
+    compiled = ([f"compile on: {e.compiled_graphs} graph{'' if e.compiled_graphs == 1 else 's'} compiled"]
+                if e.compiled_graphs is not None else [])
     if e.checkpoint is not None:
         saved = f"checkpoint {e.checkpoint}" + (" (run the same command to resume)" if e.stopped_by else "")
     else:
@@ -92,6 +103,6 @@ def end_summary(end: RunEnd) -> str:
     return "\n".join([
         f"{head} in {duration(e.session_seconds)}{earlier} · {e.tokens:,} tokens in all · "
         f"{tps:,.0f} tok/s ({tps / e.world_size:,.0f} tok/s/dev)",
-        f"result  {' · '.join([*loss, f'peak memory {e.peak_mem_gib:.2f} GiB (fullest rank)'])}",
+        f"result  {' · '.join([*loss, f'peak memory {e.peak_mem_gib:.2f} GiB (fullest rank)', *compiled])}",
         f"saved   {saved} · outputs in {e.dump} (metrics.jsonl, config.toml)",
     ])

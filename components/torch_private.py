@@ -24,6 +24,8 @@ PRIVATE_APIS: dict[str, str] = {
                                        "not counted again when activation checkpointing re-runs forward",
     # components/
     "torch._disable_dynamo": "components/eager.py: torch.compiler.disable that imports dynamo lazily",
+    "torch._dynamo.utils.counters": "components/run_summary.py: how many graphs torch.compile produced "
+                                    "(counters['stats']['unique_graphs']), said at the end of a run",
     "torch._foreach_norm": "components/grad_norm.py: one fused norm kernel per gradient group on GPU",
     "torch.cuda.memory._record_memory_history": "components/profiling.py: CUDA allocator history for "
                                                 "memory snapshots",

@@ -8,9 +8,11 @@ reduction order differs, as in fp32 parity. Measured over 10 steps of the tiny m
 6e-8 relative, grad norm equal; the bounds are the fp32 parity tests' (1e-5 at step 1, 1e-4 after),
 since a reduction-order difference that lands on a float8 rounding boundary can move a value by
 one float8 step (2^-3 relative) in a few elements. A converter that silently did nothing would
-pass parity, so the conversion itself is checked module by module.
+pass parity, so the conversion itself is checked module by module, and FSDP's float8 all-gather
+by the bytes it puts on the wire.
 """
 
+import json
 import shutil
 import sys
 
@@ -42,6 +44,7 @@ from components.errors import KilnError
 
 FLOAT8 = ["--model.converters", "float8"]
 BATCH16 = ["--training.global_batch_size", "16", "--training.local_batch_size", "8"]
+WIRE = "tests/helpers/fsdp_wire.py"
 
 
 def _ctx(fsdp: bool = False, tp: bool = False, **float8) -> ConverterContext:
@@ -224,6 +227,42 @@ def test_float8_learns_like_bf16(tmp_path, data_cache) -> None:
     tail = [sum(r["loss"] for r in rows[-10:]) / 10 for rows in (f8, ref)]
     assert abs(tail[0] - tail[1]) <= 0.005 * tail[1]
     assert ref[0]["loss"] - tail[1] > 2.0 and f8[0]["loss"] - tail[0] > 2.0
+
+
+def _on_the_wire(dump, data_cache, *args: str) -> dict:
+    """What FSDP 2 hands its collectives in 2 float8 steps of the tiny model (tests/helpers/fsdp_wire.py)."""
+    out = dump / "wire.json"
+    check_ok(run_train([str(out), *TINY, *FLOAT8, *BATCH16, *args, "--job.dump_folder", str(dump),
+                        "--training.data_cache_dir", str(data_cache)], nproc=2, script=WIRE))
+    return json.loads(out.read_text())
+
+
+def test_fsdp_float8_all_gather_sends_float8_bytes(tmp_path, data_cache) -> None:
+    """FSDP 2's all-gathers as recorded on the wire, torch's own collectives carrying them. With
+    float8 all-gather (the default) each block's buffer holds its float8 linears' weight shards at
+    one byte an element beside its norms' float32 at four, packed by FSDP as raw bytes (uint8);
+    with float8.enable_fsdp_float8_all_gather false the block travels as float32, four bytes an
+    element. The embeddings and the head (norm + output) are float32 either way. Each block is
+    gathered twice a step (forward, and again for backward). Both send the same numbers: a
+    tensorwise scale is the whole weight's amax, cast before or after the gather alike, so the
+    losses agree (measured: equal to the last digit)."""
+    on = _on_the_wire(tmp_path / "on", data_cache)
+    off = _on_the_wire(tmp_path / "off", data_cache, "--float8.enable_fsdp_float8_all_gather", "false")
+    blocks = [name for name in on["modules"] if name.startswith("layers.")]
+    assert blocks == ["layers.0", "layers.1"]
+    for name in blocks:
+        block_on, block_off = on["modules"][name], off["modules"][name]
+        float8, other = block_on["float8_elements"], block_on["other_elements"]
+        assert float8 > 0 and other > 0, name  # 7 float8 linears, 2 float32 norms
+        assert block_on["all_gather"] == [["uint8", float8 * 1 + other * 4]] * 4, (name, block_on)
+        assert block_off["all_gather"] == [["float32", (float8 + other) * 4]] * 4, (name, block_off)
+    for wire in (on, off):
+        for name in ("tok_embeddings", "norm+output"):
+            gathered = wire["modules"][name]
+            assert gathered["float8_elements"] == 0 and gathered["all_gather"], name
+            assert all(sent == ["float32", gathered["other_elements"] * 4] for sent in gathered["all_gather"])
+    for a, b in zip(on["losses"], off["losses"], strict=True):
+        assert abs(a - b) <= 1e-6 * b, (on["losses"], off["losses"])
 
 
 def test_float8_leaves_moe_routers_alone() -> None:

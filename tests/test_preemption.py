@@ -1,6 +1,7 @@
 """Preemption and elastic restart: a signalled run saves and exits 0; a killed rank restarts all, resumes."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,10 +57,23 @@ def straight(tmp_path_factory, data_cache):
     return last_rows(dump)
 
 
-def test_sigterm_saves_and_exits_zero_then_resumes(straight, tmp_path, data_cache):
-    """SIGTERM to the agent that scripts/run_train.sh starts (what a scheduler does at preemption):
-    the workers finish their step, save and exit 0, and so does the agent, without torchrun's
-    traceback; the run then resumes exactly."""
+def worker_of_rank(agent: int, rank: int) -> int:
+    """The PID of the agent's worker whose RANK is `rank`."""
+    for pid in workers_of(agent):
+        environ = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} under {agent}")
+
+
+@pytest.mark.parametrize("sig,target", [("SIGTERM", "agent"), ("SIGUSR1", "rank 0")],
+                         ids=["sigterm_agent", "sigusr1_rank0"])
+def test_signal_saves_and_exits_zero_then_resumes(straight, sig, target, tmp_path, data_cache):
+    """SIGTERM to the agent that scripts/run_train.sh starts (what a scheduler does at preemption),
+    which passes it on to the workers; or SIGUSR1 to a worker (SLURM's --signal=USR1 reaches the
+    job's processes), here to rank 0 only, so rank 1 stops on the ranks' vote. Either way the
+    workers finish their step, save and exit 0, and so does the agent, without torchrun's
+    traceback; the run says which signal stopped it, and then resumes exactly."""
     args = [*TINY, *STEPS, "--checkpoint.enable", "--checkpoint.interval", "1000",
             "--job.dump_folder", str(tmp_path), "--training.data_cache_dir", str(data_cache)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", NGPU="2", PYTHON=sys.executable)
@@ -67,14 +81,17 @@ def test_sigterm_saves_and_exits_zero_then_resumes(straight, tmp_path, data_cach
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, proc)
-    proc.send_signal(signal.SIGTERM)  # bash exec'd the launcher: this is the agent
+    # bash exec'd the launcher: proc.pid is the agent
+    os.kill(proc.pid if target == "agent" else worker_of_rank(proc.pid, 0), getattr(signal, sig))
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "SignalException" not in err, err
-    assert "stopping at step" in out and "stopped at step" in out and "run the same command to resume" in out
+    assert f"on {sig}" in out and "run the same command to resume" in out, out[-3000:]
+    stopping = re.findall(rf"stopping at step (\d+) on {sig}", out)
+    stopped = re.findall(rf"stopped at step (\d+) of 40 on {sig}", out)
     saved = [p.name for p in (tmp_path / "checkpoint").iterdir()]
-    assert len(saved) == 1
-    stop_step = int(saved[0].split("-")[1])
+    assert len(saved) == 1 and stopping == stopped == [saved[0].split("-")[1]], (saved, out[-3000:])
+    stop_step = int(stopping[0])
     assert 3 <= stop_step < 40 and max(last_rows(tmp_path)) == stop_step
     check_ok(run_train(args, nproc=2))
     rows = last_rows(tmp_path)
