@@ -87,7 +87,7 @@ class Trainer:
                                    self._data_ranks())
         # Started before the model exists: on CPU it records every tensor allocation from here on
         # (the corpus, host memory on a GPU machine, is left out).
-        self.memory_report = (MemoryReport(info.device, self.dump / f"memory_rank{info.rank}.json")
+        self.memory_report = (MemoryReport(info.device, self.dump / f"memory_rank{info.rank}.json", self.dims)
                               if cfg.profiling.memory_report else None)
         self._build_model()
         self._build_optimizers()

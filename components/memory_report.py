@@ -3,34 +3,45 @@
 With profiling.memory_report, after step 2 every rank writes <dump>/memory_rank<R>.json: the bytes
 of its parameters, gradients (as the optimizer sees them) and optimizer state by dtype, counted
 from the tensors' storages (FSDP padding included), and the allocator's peak during step 2 — on
-CUDA torch.cuda.max_memory_allocated, on CPU the c10 CPU allocator's allocation and free events
-recorded by torch.profiler from before the model exists (every tensor byte, none of the
-interpreter's; the corpus, read before, is left out as host memory), paired by address into live
-bytes.
+CUDA torch.cuda.max_memory_allocated, on CPU the most bytes the c10 CPU allocator held at any of
+its events of step 2, counted from before the model exists (every tensor byte, none of the
+interpreter's; the corpus, read before, is left out as host memory).
 
-Why by address: the profiler records an allocator event only on a thread it profiles, and gloo
-frees some blocks on its own worker threads (the copy of its input a reduce-scatter works in,
-all-gather outputs whose last reference the finished work drops), so their frees never appear.
-Summed, the events would let those blocks live forever. An address the allocator hands out again
-was free by then, so a new block at a live address ends the old one; and a block a collective of
-step 1 made that no tensor holds when step 2 begins was freed too (every collective of a step has
-finished by its end). With both, what is live as step 2 begins is what the planner has alive then.
+Why not the profiler's allocation and free events summed: torch.profiler records them only on
+threads it profiles, and gloo frees blocks on its own worker threads whenever a finished work
+holds their last reference (an all-gather's output, the copy of its input a reduce-scatter works
+in), which depends on how the threads are scheduled. Those frees never appear, so summed events
+(or events paired by address) keep such a block alive for as long as chance has it, and the peak
+moved from run to run under load. The c10 CPU allocator keeps its own running total over every
+thread when FLAGS_caffe2_report_cpu_memory_usage is set, and the profiler stores that total with
+each event it records, so the report sets the flag while it records and reads the totals.
+
+Given the run's ParallelDims, the report also holds "communication": the bytes and calls of every
+c10d collective the rank issues in step 2, by mesh dimension and kind, counted by the planner's own
+rule (planning/step_tracker.py) with its own names for the process groups (planning/fake_world.py),
+so that a plan's communication and a run's are the same figure.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import time
+from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from components.local_tensor import local_tensor
 
+if TYPE_CHECKING:
+    from parallelisms.parallel_dims import ParallelDims
+
 MEASURED_STEP = 2  # the first step with the optimizer state already made: the steady state
+FLAG = "FLAGS_caffe2_report_cpu_memory_usage"  # c10's: count every thread's CPU blocks (AllocatorTotals)
 
 
 def bytes_by_dtype(tensors: list[torch.Tensor]) -> dict[str, int]:
@@ -57,16 +68,20 @@ def state_bytes(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer])
 
 
 class MemoryReport:
-    """Records one rank's memory through step MEASURED_STEP and writes it as JSON."""
+    """Records one rank's memory (and, given its dims, its collectives) through step MEASURED_STEP
+    and writes them as JSON."""
 
-    def __init__(self, device: torch.device, path: Path) -> None:
-        self.device, self.path = device, path
+    def __init__(self, device: torch.device, path: Path, dims: ParallelDims | None = None) -> None:
+        self.device, self.path, self.dims = device, path, dims
         self.gradients: dict[str, int] = {}
         self.step_start_ns = 0
-        self.held_at_start: set[int] = set()  # addresses of the storages Python holds as the step begins
+        self.collectives: CollectiveCounter | None = None
         self.profiler = None
+        self.every_thread: AllocatorTotals | None = None
         if device.type == "cuda":
             return
+        self.every_thread = AllocatorTotals()
+        self.every_thread.start()
         self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                profile_memory=True)
         self.profiler.start()
@@ -80,85 +95,132 @@ class MemoryReport:
             opt.register_step_pre_hook(before)
 
     def step_begins(self, step: int) -> None:
-        if step == MEASURED_STEP:
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
-            else:
-                self.held_at_start = held_storages()
-            self.step_start_ns = time.time_ns()
+        if step != MEASURED_STEP:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.dims is not None:
+            # Named now: every process group of the layout exists by step 2.
+            self.collectives = CollectiveCounter(self.dims)
+            self.collectives.__enter__()
+        self.step_start_ns = time.time_ns()
 
     def step_ends(self, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
         """After MEASURED_STEP: stop recording and write the report."""
         if step != MEASURED_STEP:
             return
+        end_ns = time.time_ns()
+        communication = None
+        if self.collectives is not None:
+            self.collectives.__exit__(None, None, None)
+            communication = self.collectives.by_dim()
         if self.profiler is None:
             peak, how = torch.cuda.max_memory_allocated(self.device), "torch.cuda.max_memory_allocated"
         else:
-            peak, how = self._cpu_peak(time.time_ns()), "c10 CPU allocator events (torch.profiler) by address"
+            peak, how = self._cpu_peak(end_ns), "c10 CPU allocator's total over every thread (torch.profiler)"
         sizes = state_bytes(parts, optimizers)
         report = {"parameters": sizes["parameters"], "gradients": self.gradients,
                   "optimizer": sizes["optimizer"], "peak": peak, "step": MEASURED_STEP, "how": how}
+        if communication is not None:
+            report["communication"] = communication
         self.path.write_text(json.dumps(report, indent=1))
 
     def _cpu_peak(self, end_ns: int) -> int:
-        """The most live allocator bytes between the step's start and end."""
+        """The most bytes the CPU allocator held between the step's start and end."""
         self.profiler.stop()
-        events = cpu_allocator_events(self.profiler.profiler.kineto_results.experimental_event_tree())
+        self.every_thread.stop()
+        events = cpu_allocator_totals(self.profiler.profiler.kineto_results.experimental_event_tree())
         self.profiler = None
-        return live_peak(events, self.step_start_ns, end_ns, self.held_at_start)
+        return window_peak(events, self.step_start_ns, end_ns)
 
 
-def held_storages() -> set[int]:
-    """The addresses of the CPU storages behind every tensor the garbage collector can see."""
-    out = set()
-    for obj in gc.get_objects():
-        # plain tensors and parameters (a DTensor's local piece is one)
-        if type(obj) in (torch.Tensor, nn.Parameter) and obj.device.type == "cpu":
+class AllocatorTotals:
+    """c10's FLAGS_caffe2_report_cpu_memory_usage, set while the report records: the CPU allocator
+    then counts the blocks of every thread in one running total (which the profiler stores with each
+    event), not only those of the threads the profiler follows. The flag has no Python binding;
+    libc10 exports it."""
+
+    def __init__(self) -> None:
+        import ctypes  # only here: an opt-in measurement reads a flag of torch's own libc10
+
+        libraries = sorted(Path(torch.__file__).parent.joinpath("lib").glob("*c10.*"))  # libc10.so, c10.dll
+        self.flag = None
+        for library in libraries:
             try:
-                out.add(obj.untyped_storage().data_ptr())
-            except (RuntimeError, NotImplementedError):  # sparse, nested: no storage of their own
-                pass
-    return out
+                self.library = ctypes.CDLL(str(library))  # already loaded by torch: the same copy
+                self.flag = ctypes.c_bool.in_dll(self.library, FLAG)
+                break
+            except (OSError, ValueError):
+                continue
+        if self.flag is None:
+            raise RuntimeError(f"the memory report needs c10's {FLAG}, found in none of {libraries}")
+        self.before = bool(self.flag.value)
+
+    def start(self) -> None:
+        self.flag.value = True
+
+    def stop(self) -> None:
+        self.flag.value = self.before
 
 
-def cpu_allocator_events(roots: list[Any]) -> list[tuple[int, int, int, bool]]:
-    """(time ns, address, bytes: + allocated, - freed, made inside a c10d collective) of every CPU
+class CollectiveCounter(TorchDispatchMode):
+    """Bytes and calls of every c10d collective this process issues while active, by (mesh
+    dimension, kind): the planner's StepTracker counting (its `_count_collective`, the same code) on
+    real tensors, with the planner's names for the layout's process groups."""
+
+    def __init__(self, dims: ParallelDims) -> None:
+        super().__init__()
+        # Imported here: torch.distributed._tools takes seconds to import, needed only by a report.
+        from torch.distributed._tools.fake_collectives import collective_ops, sync_ops
+
+        from planning.fake_world import mesh_group_names
+        from planning.step_tracker import StepTracker
+
+        self._counted = collective_ops - sync_ops
+        self._count = StepTracker._count_collective
+        self.group_names = mesh_group_names(dims)
+        self.comm_bytes: dict[tuple[str, str], int] = defaultdict(int)
+        self.comm_calls: dict[tuple[str, str], int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if any(t is DTensor for t in types):
+            return NotImplemented  # DTensor turns itself into local ops first; those are counted
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in self._counted:
+            self._count(self, func, out, args, kwargs)
+        return out
+
+    def by_dim(self) -> dict[str, dict[str, dict[str, int]]]:
+        """mesh dimension → kind → {"bytes", "calls"}."""
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for (dim, kind), nbytes in sorted(self.comm_bytes.items()):
+            out.setdefault(dim, {})[kind] = {"bytes": nbytes, "calls": self.comm_calls[(dim, kind)]}
+        return out
+
+
+def cpu_allocator_totals(roots: list[Any]) -> list[tuple[int, int, int]]:
+    """(time ns, bytes: + allocated, - freed, bytes the CPU allocator holds after it) of every CPU
     allocator event in a profile's event tree, in time order."""
     from torch._C._profiler import _EventType
 
-    out, stack = [], [(root, False) for root in roots]
+    out, stack = [], list(roots)
     while stack:
-        event, in_collective = stack.pop()
+        event = stack.pop()
         if event.tag == _EventType.Allocation:
             fields = event.extra_fields
             if fields.device.type == "cpu":
-                out.append((event.start_time_ns, fields.ptr, fields.alloc_size, in_collective))
+                out.append((event.start_time_ns, fields.alloc_size, fields.total_allocated))
             continue
-        in_collective = in_collective or event.name.startswith(("c10d::", "_c10d_functional::"))
-        stack.extend((child, in_collective) for child in event.children)
+        stack.extend(event.children)
     return sorted(out)
 
 
-def live_peak(events: list[tuple[int, int, int, bool]], start_ns: int, end_ns: int,
-              held_at_start: set[int] | None = None) -> int:
-    """The most bytes live at once between start_ns and end_ns, blocks paired by address: a free
-    ends the block at its address, and so does a new block there (its free went unrecorded). With
-    held_at_start (the addresses Python holds at start_ns), a block a collective made before start_ns
-    that backs none of them is gone by then: every collective of the step before has finished."""
-    blocks: dict[int, tuple[int, bool]] = {}
-    live, peak, started = 0, 0, False
-    for at, address, delta, in_collective in events:
-        if not started and at >= start_ns:
-            started = True
-            if held_at_start is not None:
-                for gone in [a for a, (_, c) in blocks.items() if c and a not in held_at_start]:
-                    live -= blocks.pop(gone)[0]
-                peak = live
-        if delta > 0:
-            live += delta - blocks.get(address, (0, False))[0]
-            blocks[address] = (delta, in_collective)
-        else:
-            live -= blocks.pop(address, (0, False))[0]
-        if start_ns <= at <= end_ns:
-            peak = max(peak, live)
-    return peak
+def window_peak(events: list[tuple[int, int, int]], start_ns: int, end_ns: int) -> int:
+    """The most bytes held between start_ns and end_ns: after any event inside, or just before the
+    first (what was held as the window opened, frees on unprofiled threads included)."""
+    inside = [(delta, total) for at, delta, total in events if start_ns <= at <= end_ns]
+    if not inside:
+        return max([total for at, _, total in events if at < start_ns][-1:], default=0)
+    first_delta, first_total = inside[0]
+    return max(first_total - first_delta, *(total for _, total in inside))

@@ -24,6 +24,9 @@ PRIVATE_APIS: dict[str, str] = {
                                        "not counted again when activation checkpointing re-runs forward",
     # components/
     "torch._disable_dynamo": "components/eager.py: torch.compiler.disable that imports dynamo lazily",
+    "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._lazy_init": "planning/rank_plan.py: "
+        "FSDP's first-forward init run before the planner's optimizer exists (fake storages' data_ptr "
+        "is 0, so a later one would pad uneven shards a second time inside the measured step)",
     "torch._dynamo.utils.counters": "components/run_summary.py: how many graphs torch.compile produced "
                                     "(counters['stats']['unique_graphs']), said at the end of a run",
     "torch._foreach_norm": "components/grad_norm.py: one fused norm kernel per gradient group on GPU",

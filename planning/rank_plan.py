@@ -163,6 +163,18 @@ def allocate_fake(module: nn.Module) -> None:
                 table[name] = fakes[id(t)]
 
 
+def fsdp_lazy_init(part: nn.Module) -> None:
+    """FSDP's lazy initialization, which a run does in its first forward, done before the optimizer
+    exists. It pads an uneven shard again unless the storage is the one it padded, which it tells by
+    data_ptr — 0 for every fake tensor, so on fake tensors it always does. Inside the measured step
+    that copy came on top of the shard the optimizer held: ranks with padded shards were planned
+    them twice. Done here, the copy replaces the shard."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if isinstance(part, FSDPModule):
+        fully_shard.state(part)._lazy_init()  # private: what the root's first forward runs
+
+
 def _probe_stage(spec: ModelSpec, args: Any, dims: Any, options: ParallelOptions) -> nn.Module:
     """A first stage of the embedding and block 0, parallelized like every stage (on meta, outside
     fake mode: FSDP cannot be applied inside it): what it emits is what flows between stages."""
@@ -250,6 +262,9 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
     tracker.category = "buffers"
     for part in parts:
         part.init_buffers("cpu")
+    tracker.category = "parameters"  # FSDP's new copies of uneven shards
+    for part in parts:
+        fsdp_lazy_init(part)
     tracker.category = "activations and temporaries"
     moe = balance_routing(parts)
     o, s = cfg.optimizer, cfg.lr_scheduler

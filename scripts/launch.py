@@ -8,6 +8,8 @@ endings that torchrun reports at length although nothing went wrong in it:
   their step, save (with checkpoint.enable) and exit 0; the agent keeps watching them and ends as
   for any run, exit 0 when they did, rather than with torchrun's SignalException traceback. A
   second SIGTERM, or one before there are workers, is torchrun's own (stop them, then raise).
+  SIGUSR1 (SLURM's `--signal=USR1@secs`) is passed on the same way; torchrun itself does not
+  handle it, so without this it would kill the agent.
 - workers that stopped on an error Kiln already printed in one `kiln: error:` line (exit code 2)
   are followed by one short line instead of torchrun's ChildFailedError report; any other
   failure (a crash, a signal) keeps torchrun's full report.
@@ -63,6 +65,17 @@ class PassStopToWorkers:
               "checkpoint.enable) and exit", file=sys.stderr, flush=True)
 
 
+def pass_usr1_to_workers(signum: int, frame: FrameType | None) -> None:
+    """The agent's SIGUSR1 handler: the workers get it (they stop as for SIGTERM), the agent goes on."""
+    pids = workers()
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    print(f"launcher: SIGUSR1 passed on to {len(pids)} worker(s)", file=sys.stderr, flush=True)
+
+
 def reported_by_kiln(error: ChildFailedError) -> bool:
     """Whether the workers failed on Kiln's own one-line error (the others killed, or exit 2 too)."""
     codes = [failure.exitcode for failure in error.failures.values()]
@@ -75,6 +88,7 @@ def launch(argv: list[str]) -> None:
     # torchrun registers its handler when it starts the workers, looking this name up then.
     torch_handler = elastic_processes._terminate_process_handler
     elastic_processes._terminate_process_handler = PassStopToWorkers(torch_handler)
+    signal.signal(signal.SIGUSR1, pass_usr1_to_workers)
     try:
         torchrun.run(torchrun.parse_args(argv))
     except ChildFailedError as e:

@@ -4,7 +4,9 @@
     python scripts/plan_check.py [--layouts fsdp2,tp2,...]
 
 Parameter, gradient and optimizer bytes must be equal; the peak is compared with the allocator's
-peak of the measured step (components/memory_report.py). CPU, gloo, one thread per process.
+peak of the measured step, and the planned collectives with those the step issued, bytes per mesh
+dimension and kind (components/memory_report.py; expert parallel's all-to-all bytes per rank follow
+the routing, which the planner takes as balanced). CPU, gloo, one thread per process.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = ["--config", "llama_debug", "--training.global_batch_size", "8"]
@@ -72,16 +75,26 @@ def compare(name: str, nproc: int, args: list[str], cache: Path) -> list[dict]:
     ranks = sorted({0, nproc - nproc // pp})
     plan = planned(nproc, args, ranks)
     keys = ("parameters", "gradients", "optimizer", "peak")
-    return [{"layout": name, "rank": r, **{k: (plan[r][k], real[r][k]) for k in keys}} for r in ranks]
+    return [{"layout": name, "rank": r, **{k: (plan[r][k], real[r][k]) for k in keys},
+             "communication": (flat(plan[r]["communication"]),
+                               {key: v["bytes"] for key, v in flat(real[r]["communication"]).items()}
+                               if "communication" in real[r] else None)} for r in ranks]
 
 
-def total(sizes: dict[str, int] | int) -> int:
+def flat(nested: dict[str, dict]) -> dict[tuple[str, str], Any]:
+    """{mesh dim: {kind: x}} → {(mesh dim, kind): x}."""
+    return {(dim, kind): x for dim, kinds in nested.items() for kind, x in kinds.items()}
+
+
+def total(sizes: dict[Any, int] | int) -> int:
     return sizes if isinstance(sizes, int) else sum(sizes.values())
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| layout | rank | parameters | gradients | optimizer | peak planned | peak measured | off |",
-             "|---|---|---|---|---|---|---|---|"]
+    """The markdown table, then a line for each collective whose bytes differ."""
+    lines = ["| layout | rank | parameters | gradients | optimizer | peak planned | peak measured | off "
+             "| communication |", "|---|---|---|---|---|---|---|---|---|"]
+    notes = []
     for row in rows:
         cells = []
         for key in ("parameters", "gradients", "optimizer"):
@@ -89,9 +102,20 @@ def table(rows: list[dict]) -> str:
             cells.append(f"{total(plan) / 2**20:,.2f} MiB" + ("" if plan == real else
                                                               f" ≠ {total(real) / 2**20:,.2f}"))
         plan, real = row["peak"]
-        lines.append(f"| {row['layout']} | {row['rank']} | " + " | ".join(cells) +
-                     f" | {plan / 2**20:,.1f} MiB | {real / 2**20:,.1f} MiB | {(plan - real) / real:+.1%} |")
-    return "\n".join(lines)
+        cells += [f"{plan / 2**20:,.1f} MiB", f"{real / 2**20:,.1f} MiB", f"{(plan - real) / real:+.1%}"]
+        planned_comm, measured_comm = row["communication"]
+        cell = f"{total(planned_comm) / 2**20:,.2f} MiB"
+        if measured_comm is None:
+            cell += " (not measured)"
+        elif planned_comm != measured_comm:
+            cell += f" ≠ {total(measured_comm) / 2**20:,.2f}"
+            for dim, kind in sorted(planned_comm.keys() | measured_comm.keys()):
+                ours, theirs = planned_comm.get((dim, kind), 0), measured_comm.get((dim, kind), 0)
+                if ours != theirs:
+                    notes.append(f"- {row['layout']}, rank {row['rank']}, {dim} {kind}: "
+                                 f"planned {ours:,} bytes, measured {theirs:,}")
+        lines.append(f"| {row['layout']} | {row['rank']} | " + " | ".join([*cells, cell]) + " |")
+    return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def main() -> None:

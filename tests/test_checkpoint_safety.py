@@ -1,6 +1,7 @@
 """Loading a checkpoint runs no code from it: the non-tensor values of a DCP checkpoint are read with
 torch.load(weights_only=True) (components/checkpoint_states.SafeLoadPlanner), which takes plain
-data and refuses any other pickled global."""
+data and refuses any other pickled global, and its .metadata through an allow-list of DCP's own
+metadata classes (components/checkpoint_integrity.SafeFileSystemReader)."""
 
 import os
 import shutil
@@ -51,8 +52,8 @@ def test_checkpoint_value_that_would_run_code_is_refused(tmp_path, data_cache):
     groups: floats, tuples, booleans, None) are read under weights_only when the run resumes from
     it, exactly. The same checkpoint with one learning rate replaced by a pickled object that would
     call os.mkdir, started from (checkpoint.initial_load_path), makes the run fail before step 1
-    with one line naming the checkpoint and the global torch's refusal blocked; the folder is never made, while DCP's own
-    planner, reading the same checkpoint, makes it (the payload is live)."""
+    with one line naming the checkpoint and the global torch's refusal blocked; the folder is never
+    made, while DCP's own planner, reading the same checkpoint, makes it (the payload is live)."""
     common = [*TINY, "--training.steps", "4", "--training.data_cache_dir", str(data_cache)]
     first = tmp_path / "first"
     saving = [*common, "--checkpoint.enable", "--checkpoint.interval", "2", "--job.dump_folder", str(first)]

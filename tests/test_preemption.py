@@ -66,12 +66,13 @@ def worker_of_rank(agent: int, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank} under {agent}")
 
 
-@pytest.mark.parametrize("sig,target", [("SIGTERM", "agent"), ("SIGUSR1", "rank 0")],
-                         ids=["sigterm_agent", "sigusr1_rank0"])
+@pytest.mark.parametrize("sig,target", [("SIGTERM", "agent"), ("SIGUSR1", "rank 0"), ("SIGUSR1", "agent")],
+                         ids=["sigterm_agent", "sigusr1_rank0", "sigusr1_agent"])
 def test_signal_saves_and_exits_zero_then_resumes(straight, sig, target, tmp_path, data_cache):
     """SIGTERM to the agent that scripts/run_train.sh starts (what a scheduler does at preemption),
     which passes it on to the workers; or SIGUSR1 to a worker (SLURM's --signal=USR1 reaches the
-    job's processes), here to rank 0 only, so rank 1 stops on the ranks' vote. Either way the
+    job's processes), here to rank 0 only, so rank 1 stops on the ranks' vote; or SIGUSR1 to the
+    agent, which passes it on (torchrun itself would die of it). Either way the
     workers finish their step, save and exit 0, and so does the agent, without torchrun's
     traceback; the run says which signal stopped it, and then resumes exactly."""
     args = [*TINY, *STEPS, "--checkpoint.enable", "--checkpoint.interval", "1000",

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.common.init import trunc_normal_
 from models.common.rope import apply_rope
 
 
@@ -65,8 +66,8 @@ class Attention(nn.Module):
     def init_weights(self, std_out: float) -> None:
         """Truncated-normal init; the output projection gets a depth-scaled std."""
         for lin in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(lin.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=std_out)
+            trunc_normal_(lin.weight, mean=0.0, std=0.02)
+        trunc_normal_(self.wo.weight, mean=0.0, std=std_out)
 
 
 def attention_flops_per_token(n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:

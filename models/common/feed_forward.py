@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.common.init import trunc_normal_
+
 
 def swiglu_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
     """Llama's hidden size: 2/3 of 4·dim, times an optional multiplier, rounded up to multiple_of."""
@@ -27,6 +29,6 @@ class FeedForward(nn.Module):
 
     def init_weights(self, std_out: float) -> None:
         """Truncated-normal init; the down projection gets a depth-scaled std."""
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.w3.weight, mean=0.0, std=std_out)
-        nn.init.trunc_normal_(self.w2.weight, mean=0.0, std=std_out)
+        trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        trunc_normal_(self.w3.weight, mean=0.0, std=std_out)
+        trunc_normal_(self.w2.weight, mean=0.0, std=std_out)

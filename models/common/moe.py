@@ -19,6 +19,7 @@ from torch import nn
 from components.eager import outside_compile
 from components.local_tensor import local_tensor
 from models.common.feed_forward import FeedForward
+from models.common.init import trunc_normal_
 
 
 @dataclass
@@ -87,9 +88,9 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
     def init_weights(self, std_out: float) -> None:
-        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.w3, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.w2, mean=0.0, std=std_out)
+        trunc_normal_(self.w1, mean=0.0, std=0.02)
+        trunc_normal_(self.w3, mean=0.0, std=0.02)
+        trunc_normal_(self.w2, mean=0.0, std=std_out)
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -182,7 +183,7 @@ class MoE(nn.Module):
         self.tokens_per_expert.zero_()
 
     def init_weights(self, std_out: float) -> None:
-        nn.init.trunc_normal_(self.router.gate.weight, mean=0.0, std=0.02)
+        trunc_normal_(self.router.gate.weight, mean=0.0, std=0.02)
         self.experts.init_weights(std_out)
         if self.shared_experts is not None:
             self.shared_experts.init_weights(std_out)

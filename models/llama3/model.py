@@ -7,6 +7,7 @@ from torch import nn
 
 from models.common.attention import Attention, attention_flops_per_token
 from models.common.feed_forward import FeedForward, swiglu_hidden_dim
+from models.common.init import trunc_normal_
 from models.common.norm import RMSNorm
 from models.common.rope import RopeScaling, rope_cache
 
@@ -144,7 +145,7 @@ class Transformer(nn.Module):
         if self.output is not None and not self.args.tie_embeddings:
             # Small output init keeps the first losses near log(vocab).
             std = self.args.dim**-0.5
-            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+            trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
 def llama_flops_per_token(args: LlamaArgs, num_params: int, seq_len: int) -> int:

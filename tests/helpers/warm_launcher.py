@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -128,6 +129,7 @@ class WarmClient:
         self.path = str(folder / "warm.sock")
         self.count = 0
         self.last_pgid = 0  # the process group of the latest run (manager and workers)
+        self.lock = threading.Lock()  # runs side by side (threads) start one server, number runs apart
 
     def _start(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -139,10 +141,11 @@ class WarmClient:
 
     def run(self, script: str, argv: list[str], nproc: int, env: dict[str, str], cwd: Path,
             timeout: float) -> subprocess.CompletedProcess:
-        if self.server is None or self.server.poll() is not None:
-            self._start()
-        self.count += 1
-        out, err = self.folder / f"run{self.count}.out", self.folder / f"run{self.count}.err"
+        with self.lock:
+            if self.server is None or self.server.poll() is not None:
+                self._start()
+            self.count += 1
+            out, err = self.folder / f"run{self.count}.out", self.folder / f"run{self.count}.err"
         request = {"script": script, "argv": argv, "nproc": nproc, "env": env, "cwd": str(cwd),
                    "stdout": str(out), "stderr": str(err)}
         cmd = ["warm", script, *argv]
