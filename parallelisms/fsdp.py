@@ -43,6 +43,10 @@ def apply_fsdp(
     tied = embed is not None and output is not None and shares_parameters(embed, output)
     if embed is not None and not tied:
         fully_shard(embed, reshard_after_forward=reshard, **kwargs)
+        if only_embeddings(embed):
+            # An embedding's backward reads the token ids and the output gradient, never the weight:
+            # no all-gather in backward (FSDP2's switch for exactly this case).
+            embed.set_unshard_in_backward(False)
     # Every block reshards, the last one too: keeping it whole would save one all-gather but hold its
     # full weights through the loss, where the step's memory peaks.
     for block in model.layers.values():
@@ -54,6 +58,12 @@ def apply_fsdp(
         fully_shard(tail, reshard_after_forward=False, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
+
+
+def only_embeddings(module: nn.Module) -> bool:
+    """Whether every parameter of the module belongs to an nn.Embedding (lookups only)."""
+    owners = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]
+    return bool(owners) and all(isinstance(m, nn.Embedding) for m in owners)
 
 
 def shares_parameters(a: nn.Module, b: nn.Module) -> bool:
