@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated setting names")
+    ap.add_argument("--settings", default=";".join(SETTINGS), help="setting names separated by ';'")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         small_tokenizer = Path(tmp) / "tokenizer2048"
@@ -82,7 +82,7 @@ def main() -> None:
         kiln_vocab = {4096: [], 2048: ["--job.custom_import", str(model_file), "--model.name",
                                        "llama3_vocab2048", "--model.tokenizer_path", str(small_tokenizer)]}
         rows = []
-        for name in [n.strip() for n in a.settings.split(",")]:
+        for name in [n.strip() for n in a.settings.split(";")]:
             launcher, options, vocab, layouts = SETTINGS[name]
             if launcher == "0.3.0":
                 tt = [a.tt_python, "scripts/torchtitan_cpu.py", options]
