@@ -278,22 +278,27 @@ def main() -> None:
     a = ap.parse_args()
     if a.steps <= max(a.warmup, 1):
         ap.error("--steps must exceed --warmup (and 1)")
+    train_and_report(lambda scratch: _train(a, scratch), a.warmup)
+
+
+def train_and_report(train: Callable[[str], tuple[list[float], int, int]], warmup: int) -> None:
+    """Run train(scratch folder) → (end time of each step, global rows per step, rank) as one rank
+    of a world (of one under plain `python`), and print the result line on rank 0."""
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
         os.environ.setdefault(key, value)  # plain `python` is a world of one
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     scratch = tempfile.mkdtemp(prefix="torchtitan_cpu_")  # dump folder and HF cache, per process
     os.environ["HF_HOME"] = os.path.join(scratch, "hf")
     try:
-        ends, rows, rank = _train(a, scratch)
+        ends, rows, rank = train(scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if rank == 0:
         # ends[i] is the end of step i + 1, so the gap ends[i] - ends[i - 1] is step i + 1's time
-        step_times = [ends[i] - ends[i - 1] for i in range(max(a.warmup, 1), len(ends))]
+        step_times = [ends[i] - ends[i - 1] for i in range(max(warmup, 1), len(ends))]
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps({"tps": rows * SEQ / statistics.median(step_times), "peak_rss_mib": round(rss)}),
               flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -25,19 +25,13 @@ CUDA-only memory monitor.
 """
 
 import argparse
-import json
-import os
-import resource
-import shutil
-import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from torchtitan_cpu import BATCH, REPO, SEQ, CpuModule, free_port, register_corpus, rss_monitor  # noqa: E402
+from torchtitan_cpu import BATCH, REPO, SEQ, CpuModule, register_corpus, rss_monitor, train_and_report  # noqa: E402
 
 
 def _patch_for_cpu(vocab: int) -> None:
@@ -134,21 +128,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", type=Path, default=REPO / "assets/tokenizer")
     ap.add_argument("--corpus", type=Path, default=REPO / "assets/data/shakespeare/train.jsonl.gz")
     a = ap.parse_args()
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    scratch = tempfile.mkdtemp(prefix="torchtitan_toml_cpu_")
-    os.environ["HF_HOME"] = os.path.join(scratch, "hf")
-    try:
-        ends, rows, rank = _train(a, scratch)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    if rank == 0:
-        step_times = [ends[i] - ends[i - 1] for i in range(max(a.warmup, 1), len(ends))]
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(json.dumps({"tps": rows * SEQ / statistics.median(step_times), "peak_rss_mib": round(rss)}),
-              flush=True)
-
+    train_and_report(lambda scratch: _train(a, scratch), a.warmup)
 
 if __name__ == "__main__":
     main()
