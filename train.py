@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from builders import build_layout, build_model_parts, load_model_family
-from components.checkpoint import CheckpointManager, check_model_matches
-from components.checkpoint_states import (
+from components.checkpoint.manager import CheckpointManager, check_model_matches
+from components.checkpoint.states import (
     DataLoaderState,
     ModelState,
     OptimizerState,
@@ -31,9 +30,33 @@ from components.checkpoint_states import (
     StreamingLoaderState,
     TrainState,
 )
-from components.config import JobConfig, config_to_dict, config_to_toml, load_config
-from components.converters import ConverterContext, after_optimizer_step, convert_model, resolve_converters
-from components.distributed import (
+from components.config.loading import config_to_dict, config_to_toml, load_config
+from components.config.parallel_options import ParallelOptions
+from components.config.sections import JobConfig
+from components.data.run_data import DataRanks, build_run_data, cache_folder
+from components.data.tokenizer import Tokenizer
+from components.observability.memory_report import MemoryReport
+from components.observability.metrics import MetricsLogger, memory_gib
+from components.observability.peak_flops import peak_flops
+from components.observability.profiling import maybe_profile
+from components.observability.run_summary import (
+    RunEnd,
+    RunFacts,
+    compiled_graphs,
+    end_summary,
+    startup_summary,
+)
+from components.observability.wandb_run import WandbOptions
+from components.optim.expert_balance import imbalance
+from components.optim.lr_schedule import build_lr_scheduler
+from components.optim.optimizer import build_optimizer, embedding_names
+from components.quantization.converters import (
+    ConverterContext,
+    after_optimizer_step,
+    convert_model,
+    resolve_converters,
+)
+from components.runtime.distributed import (
     DistInfo,
     exit_cleanly,
     init_distributed,
@@ -41,32 +64,16 @@ from components.distributed import (
     lost_peer_message,
     set_seed,
 )
-from components.error_report import report_kiln_error, reported_elsewhere
-from components.errors import KilnError
-from components.folders import require_writable
-from components.gc_control import GarbageCollection
-from components.hub import resolve_asset
-from components.local_tensor import local_tensor
-from components.loss import IGNORE_INDEX
-from components.memory_report import MemoryReport
-from components.metrics import MetricsLogger, memory_gib
-from components.moe_load import imbalance
-from components.optim import build_lr_scheduler, build_optimizer, embedding_names
-from components.parallel_options import ParallelOptions
-from components.path_checks import check_paths
-from components.peak_flops import peak_flops
-from components.preemption import StopRequest
-from components.profiling import maybe_profile
-from components.run_data import DataRanks, build_run_data, cache_folder
-from components.run_records import keep_earlier_run
-from components.run_summary import RunEnd, RunFacts, compiled_graphs, end_summary, startup_summary
-from components.shared_folder import unseen_by
-from components.tokenizer import Tokenizer
-from components.wandb_run import WandbOptions
+from components.runtime.errors import KilnError, report_kiln_error, reported_elsewhere
+from components.runtime.filesystem import check_paths, keep_earlier_run, require_writable, unseen_by
+from components.runtime.hub import resolve_asset
+from components.runtime.loop_control import GarbageCollection, StopRequest
+from components.runtime.tensor_utils import local_tensor
 from parallelisms.materialize import materialize_and_init
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import loss_context
-from training_step import StepSetup, TrainStep
+from training.assembly import build_layout, build_model_parts, load_model_family
+from training.step import IGNORE_INDEX, StepSetup, TrainStep
 
 
 class Trainer:
@@ -246,7 +253,7 @@ class Trainer:
         """How the summary names a model converter (float8: its recipe and all-gather)."""
         if name != "float8":
             return f"converter {name}"
-        from components.float8 import fsdp_float8_all_gather
+        from components.quantization.float8 import fsdp_float8_all_gather
 
         gather = ", all-gathered in float8" if fsdp_float8_all_gather(self.converter_ctx) else ""
         return f"float8 block linears ({self.cfg.float8.recipe_name}{gather})"
@@ -425,7 +432,7 @@ class Trainer:
         """Start from a Hugging Face folder: every rank reads the full weights and keeps its shards."""
         if self.spec.state_dict_adapter is None:
             raise KilnError(f"model {self.spec.name!r} has no Hugging Face state-dict adapter")
-        from components.hf_io import kiln_state_from_hf  # safetensors + HF config, only needed here
+        from components.checkpoint.hf_folder import kiln_state_from_hf
 
         full = kiln_state_from_hf(folder, self.spec.state_dict_adapter(self.model_args))
         check_model_matches(ModelState(self.model_parts).state_dict(),

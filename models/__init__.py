@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from components.custom_import import import_custom
+from components.runtime.custom_import import import_custom
 from models.protocol import check_contract
 
 

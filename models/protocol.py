@@ -51,7 +51,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from components.errors import KilnError
+from components.runtime.errors import KilnError
 
 ARGS_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "max_seq_len")
 MODEL_METHODS = ("init_weights", "init_buffers")

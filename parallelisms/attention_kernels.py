@@ -9,7 +9,7 @@ case context parallel exists for.
   value head dim unlike the query's).
 
 These are the ops torch's own SDPA and its context parallel dispatch to; they are private
-(components/torch_private.py lists them). There is no slow fallback: a device with neither kernel
+(components/runtime/torch_private.py lists them). There is no slow fallback: a device with neither kernel
 fails here, loudly.
 """
 

@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from components.parallel_options import ParallelOptions
+from components.config.parallel_options import ParallelOptions
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.autocast import apply_autocast
 from parallelisms.compile import apply_compile

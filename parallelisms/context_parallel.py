@@ -27,8 +27,8 @@ from torch import nn
 from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
-from components.eager import outside_compile
-from components.errors import KilnError
+from components.runtime.errors import KilnError
+from components.runtime.tensor_utils import outside_compile
 from parallelisms.blockwise_attention import gathered_attention, ring_attention
 
 ROTATE_METHODS = ("allgather", "ring")

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from components.eager import outside_compile
+from components.runtime.tensor_utils import outside_compile
 
 
 class ExpertParallelDispatch:

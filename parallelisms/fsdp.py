@@ -7,7 +7,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from components.errors import KilnError
+from components.runtime.errors import KilnError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from components.errors import KilnError
-from components.parallel_options import ParallelOptions
+from components.config.parallel_options import ParallelOptions
+from components.runtime.errors import KilnError
 from parallelisms.pipeline import parse_stage_layers, split_layers, stages_per_rank
 
 if TYPE_CHECKING:

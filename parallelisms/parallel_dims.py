@@ -4,8 +4,8 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from components.errors import KilnError
-from components.parallel_options import ParallelOptions
+from components.config.parallel_options import ParallelOptions
+from components.runtime.errors import KilnError
 from parallelisms.layout_checks import ModelShape, degree_problems, layout_problems, unusable_degrees
 
 # Outermost to innermost: TP ranks are neighbours (fastest links), PP the farthest apart.

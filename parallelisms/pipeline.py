@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from components.errors import KilnError
-from components.local_tensor import local_tensor
+from components.runtime.errors import KilnError
+from components.runtime.tensor_utils import local_tensor
 
 # torch.distributed.pipelining imports the compiler (~0.5 s per process), so it is imported only
 # where a pipeline is built: runs without one start faster.

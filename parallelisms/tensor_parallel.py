@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from components.errors import KilnError
+from components.runtime.errors import KilnError
 
 
 def transformer_top_plan(shard_logits: bool) -> dict[str, ParallelStyle]:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from components.local_tensor import local_tensor
+from components.runtime.tensor_utils import local_tensor
 from parallelisms.materialize import canonical_name
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline import stage_ids

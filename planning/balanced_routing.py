@@ -10,7 +10,7 @@ their bytes are counted) on those splits. A real run's busiest expert carries mo
 import torch
 from torch import nn
 
-from components.moe_load import moe_layers
+from components.optim.expert_balance import moe_layers
 from parallelisms.expert_parallel import ExpertParallelDispatch
 
 

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from builders import build_layout, load_model_family
-from components.config import JobConfig
-from components.parallel_options import ParallelOptions
+from components.config.parallel_options import ParallelOptions
+from components.config.sections import JobConfig
 from models import ModelSpec
 from planning.rank_plan import RankPlan, plan_rank
+from training.assembly import build_layout, load_model_family
 
 AC_MODES = ("none", "selective", "full")
 

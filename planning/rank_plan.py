@@ -19,20 +19,21 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from builders import ModelParts, build_layout, build_model_parts
-from components.config import JobConfig
-from components.errors import KilnError
-from components.local_tensor import local_tensor
-from components.memory_report import state_bytes
-from components.optim import build_lr_scheduler, build_optimizer
-from components.parallel_options import ParallelOptions
+from components.config.parallel_options import ParallelOptions
+from components.config.sections import JobConfig
+from components.observability.memory_report import state_bytes
+from components.optim.lr_schedule import build_lr_scheduler
+from components.optim.optimizer import build_optimizer
+from components.runtime.errors import KilnError
+from components.runtime.tensor_utils import local_tensor
 from models import ModelSpec
 from parallelisms.materialize import to_empty_keeping_ties
 from planning.balanced_routing import balance_routing
 from planning.fake_world import fake_world, mesh_group_names
 from planning.pipeline_bubble import schedule_bubble
 from planning.step_tracker import StepTracker
-from training_step import Batch, StepSetup, TrainStep
+from training.assembly import ModelParts, build_layout, build_model_parts
+from training.step import Batch, StepSetup, TrainStep
 
 
 @dataclass

@@ -26,13 +26,14 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch import nn  # noqa: E402
 
-from components.checkpoint import EXPORT_DTYPES, check_model_matches, load_model_weights  # noqa: E402
-from components.checkpoint_states import ModelState  # noqa: E402
-from components.config import JobConfig, load_config  # noqa: E402
-from components.errors import KilnError  # noqa: E402
-from components.hf_io import kiln_state_from_hf, save_hf_folder  # noqa: E402
-from components.hub import resolve_asset  # noqa: E402
-from components.tokenizer import Tokenizer  # noqa: E402
+from components.checkpoint.hf_folder import kiln_state_from_hf, save_hf_folder
+from components.checkpoint.manager import EXPORT_DTYPES, check_model_matches, load_model_weights
+from components.checkpoint.states import ModelState
+from components.config.loading import load_config
+from components.config.sections import JobConfig
+from components.data.tokenizer import Tokenizer
+from components.runtime.errors import KilnError
+from components.runtime.hub import resolve_asset
 from models import UnknownModelError, build_plain_model  # noqa: E402
 
 # One process, no process group, is what we mean: DCP's warning about it is noise here.

@@ -15,8 +15,8 @@ from pathlib import Path
 # Run as a file, Python puts scripts/ on the path, not the repository root that holds components/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from components.errors import KilnError  # noqa: E402
-from components.hub import ASSETS, asset_patterns, copy_snapshot, snapshot  # noqa: E402
+from components.runtime.errors import KilnError
+from components.runtime.hub import ASSETS, asset_patterns, copy_snapshot, snapshot
 
 
 def main(argv: list[str]) -> int:

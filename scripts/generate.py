@@ -22,12 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from components.checkpoint import load_model_weights  # noqa: E402
-from components.config import load_config  # noqa: E402
-from components.errors import KilnError  # noqa: E402
+from components.checkpoint.manager import load_model_weights
+from components.config.loading import load_config
+from components.data.tokenizer import Tokenizer
 from components.generation import generate  # noqa: E402
-from components.hub import resolve_asset  # noqa: E402
-from components.tokenizer import Tokenizer  # noqa: E402
+from components.runtime.errors import KilnError
+from components.runtime.hub import resolve_asset
 from models import UnknownModelError, build_plain_model  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")

@@ -100,7 +100,7 @@ def init_peak(flavor: str) -> list[tuple[str, str]]:
     """Materialise `flavor` on this process's device, shard-only, and report its peak memory."""
     import torch
 
-    from components.parallel_options import ParallelOptions
+    from components.config.parallel_options import ParallelOptions
     from models import get_model_args, get_model_spec
     from parallelisms.materialize import materialize_and_init
     from parallelisms.parallel_dims import ParallelDims

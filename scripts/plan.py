@@ -25,8 +25,8 @@ from pathlib import Path
 # Run as a file, Python puts scripts/ on the path, not the repository root that holds components/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from components.config import load_config  # noqa: E402
-from components.errors import KilnError  # noqa: E402
+from components.config.loading import load_config
+from components.runtime.errors import KilnError
 from planning.plan import DEVICES, Device, make_plan  # noqa: E402
 from planning.report import format_plan, plan_json  # noqa: E402
 

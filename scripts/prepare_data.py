@@ -24,11 +24,10 @@ from pathlib import Path
 # Run as a file, Python puts scripts/ on the path, not the repository root that holds components/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from components.corpus import read_documents  # noqa: E402
-from components.data import resolve_dataset, token_dtype, write_token_file  # noqa: E402
-from components.errors import KilnError  # noqa: E402
-from components.text_sources import open_stream, text_of  # noqa: E402
-from components.tokenizer import Tokenizer  # noqa: E402
+from components.data.sources import open_stream, read_documents, resolve_dataset, text_of
+from components.data.token_cache import token_dtype, write_token_file
+from components.data.tokenizer import Tokenizer
+from components.runtime.errors import KilnError
 
 
 class Counted:
@@ -53,7 +52,7 @@ class Counted:
 
 
 def streamed_documents(source: str, text_field: str) -> Iterator[str]:
-    """Documents of any streaming source (see components/text_sources.py)."""
+    """Documents of any streaming source (see components/data/sources.py)."""
     ds, builder = open_stream(source)
     for row in ds:
         yield text_of(row, text_field, builder, source)

@@ -135,7 +135,7 @@ def model_size(config: dict) -> str:
         from models import get_model_args, get_model_spec
 
         if config.get("job", {}).get("custom_import"):
-            from components.custom_import import import_custom
+            from components.runtime.custom_import import import_custom
 
             import_custom(config["job"]["custom_import"])
         spec = get_model_spec(model.get("name", ""))

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 # Run as a file, Python puts scripts/ on the path, not the repository root that holds components/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from components.corpus import read_documents  # noqa: E402
+from components.data.sources import read_documents
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -62,8 +62,8 @@ def main() -> None:
     if args.source:
         from itertools import islice
 
-        from components.errors import KilnError
-        from components.text_sources import open_stream, text_of
+        from components.data.sources import open_stream, text_of
+        from components.runtime.errors import KilnError
 
         try:
             ds, builder = open_stream(args.source)

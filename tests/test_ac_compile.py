@@ -62,7 +62,7 @@ def test_same_losses(plain, runs, mode):
 
 
 def test_ac_lowers_peak_memory(runs):
-    """The allocator's peak of step 2 (components/memory_report.py), one process, tiny model (2
+    """The allocator's peak of step 2 (components/observability/memory_report.py), one process, tiny model (2
     blocks), seq 64 × 8 rows. Measured: no AC 38,713,212 bytes; full AC 33,439,484 (-13.6%: both
     blocks keep only their inputs); every 2nd block 36,076,348 (-6.8%, half of full's saving: one
     of the two blocks); per-op 36,339,452 (-6.1%: the matmul outputs stay). Each must be strictly

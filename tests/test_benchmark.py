@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 import benchmark_speed  # noqa: E402
 import reference_loop  # noqa: E402
 
@@ -34,7 +34,7 @@ def test_reference_loop_trains_and_reports(tmp_path) -> None:
     np.random.default_rng(0).integers(0, 512, 20_000, dtype=np.uint16).tofile(tokens)
     shape = ["--vocab", "512", "--dim", "64", "--layers", "2", "--heads", "4", "--hidden", "128",
              "--seq-len", "32", "--steps", "4", "--warmup", "1"]
-    proc = subprocess.run([sys.executable, "scripts/reference_loop.py", "--tokens", str(tokens), *shape],
+    proc = subprocess.run([sys.executable, "benchmarks/reference_loop.py", "--tokens", str(tokens), *shape],
                           cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -11,8 +11,8 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from conftest import TINY, check_ok, fails_with, read_metrics, run_train, train_rows
 
-from components.checkpoint import prune
-from components.checkpoint_integrity import MANIFEST, checkpoint_problem
+from components.checkpoint.integrity import MANIFEST, checkpoint_problem
+from components.checkpoint.manager import prune
 
 CKPT = ["--training.steps", "20", "--checkpoint.enable", "--checkpoint.interval", "5"]
 

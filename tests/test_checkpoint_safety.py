@@ -14,7 +14,7 @@ from conftest import TINY, check_ok, fails_with, run_train, train_rows
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from components.checkpoint_integrity import write_manifest
+from components.checkpoint.integrity import write_manifest
 
 
 class RunsCode:

@@ -1,4 +1,4 @@
-"""Tests for components/config.py: TOML, command-line overrides, errors, --help, --print-config."""
+"""Tests for components/config/loading.py: TOML, command-line overrides, errors, --help, --print-config."""
 
 import dataclasses
 import sys
@@ -6,16 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from components.config import (
+from components.config.loading import (
     REPO_ROOT,
     ConfigError,
-    JobConfig,
     config_to_dict,
     config_to_toml,
     load_config,
     validate_config,
 )
-from components.errors import KilnError
+from components.config.sections import JobConfig
+from components.runtime.errors import KilnError
 
 if sys.version_info >= (3, 11):
     import tomllib

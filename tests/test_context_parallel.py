@@ -24,7 +24,7 @@ def test_attention_matches_full_attention(cp):
 
 
 def test_head_tail_positions():
-    from components.errors import KilnError
+    from components.runtime.errors import KilnError
     from parallelisms.context_parallel import head_tail_positions
 
     shards = [head_tail_positions(16, 2, r).tolist() for r in range(2)]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from components.corpus import EMBEDDED_DATASETS, read_documents
-from components.errors import KilnError
+from components.data.sources import EMBEDDED_DATASETS, read_documents
+from components.runtime.errors import KilnError
 
 SPLITS = EMBEDDED_DATASETS["shakespeare"]
 POEMS = {"sonnets", "lovers_complaint", "passionate_pilgrim", "phoenix_and_the_turtle",

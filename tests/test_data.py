@@ -1,4 +1,4 @@
-"""Tests components/data.py: global batch order, layout-invariant loading, resume, token files."""
+"""Tests components/data/token_cache.py: global batch order, layout-invariant loading, resume, token files."""
 
 import json
 import os
@@ -8,19 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from components.corpus import EMBEDDED_DATASETS, REPO_ROOT
-from components.data import (
-    BatchLoader,
-    TokenWindows,
-    cached_token_file,
-    global_batch_indices,
-    resolve_dataset,
-    token_file_for,
-    validation_batches,
-    write_token_file,
-)
-from components.errors import KilnError
-from components.tokenizer import Tokenizer
+from components.data.loader import BatchLoader, TokenWindows, global_batch_indices, validation_batches
+from components.data.sources import EMBEDDED_DATASETS, REPO_ROOT, resolve_dataset
+from components.data.token_cache import cached_token_file, token_file_for, write_token_file
+from components.data.tokenizer import Tokenizer
+from components.runtime.errors import KilnError
 
 SEQ = 8
 DOCS = ["To be, or not to be, that is the question:", "Whether 'tis nobler in the mind",
@@ -221,7 +213,7 @@ def test_resolve_dataset_other_sources(tmp_path: Path, tok: Tokenizer) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from components.data import register_dataset
+    from components.data.sources import register_dataset
 
     shards = tmp_path / "shards"
     shards.mkdir()

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY, fails_with, run_train
 
-from components.config import load_config
-from components.errors import KilnError
-from components.path_checks import check_paths
+from components.config.loading import load_config
+from components.runtime.errors import KilnError
+from components.runtime.filesystem import check_paths
 
 
 @pytest.mark.parametrize("args,fragments", [

@@ -22,10 +22,10 @@ def test_expert_rows_are_sharded_when_experts_run_out(flavor, world, ep, local_r
     """Built in a fake world of `world` ranks: each rank keeps 1/world of the experts, not one each."""
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
-    from builders import build_layout, build_model_parts, load_model_family
-    from components.config import load_config
-    from components.parallel_options import ParallelOptions
+    from components.config.loading import load_config
+    from components.config.parallel_options import ParallelOptions
     from planning.fake_world import fake_world
+    from training.assembly import build_layout, build_model_parts, load_model_family
 
     cfg = load_config(["--config", "moe_debug", "--model.flavor", flavor, "--training.seq_len", "64",
                        "--training.local_batch_size", "1", "--training.global_batch_size", "-1",

@@ -31,8 +31,8 @@ from conftest import (
 from torch import nn
 from torchao.float8.float8_linear import Float8Linear
 
-from components.config import JobConfig
-from components.converters import (
+from components.config.sections import JobConfig
+from components.quantization.converters import (
     ConverterContext,
     ModelConverter,
     after_optimizer_step,
@@ -40,7 +40,7 @@ from components.converters import (
     register_model_converter,
     resolve_converters,
 )
-from components.errors import KilnError
+from components.runtime.errors import KilnError
 
 FLOAT8 = ["--model.converters", "float8"]
 BATCH16 = ["--training.global_batch_size", "16", "--training.local_batch_size", "8"]

@@ -5,8 +5,8 @@ import pytest
 import torch
 from conftest import REPO, TINY, check_ok, fails_with, run_train, tiny_llama
 
-from components.custom_import import import_custom
 from components.generation import generate, kv_cache_layers, sample_next
+from components.runtime.custom_import import import_custom
 
 
 def tiny_model() -> torch.nn.Module:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from components.grad_norm import clip_grad_norm, total_grad_norm
+from components.optim.grad_norm import clip_grad_norm, total_grad_norm
 
 
 def params_with_grads(*grads: torch.Tensor) -> list[torch.nn.Parameter]:

@@ -19,10 +19,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from components.checkpoint_states import ModelState, SafeLoadPlanner
-from components.errors import KilnError
-from components.hf_io import kiln_state_from_hf, load_hf_state
-from components.tokenizer import Tokenizer
+from components.checkpoint.hf_folder import kiln_state_from_hf, load_hf_state
+from components.checkpoint.states import ModelState, SafeLoadPlanner
+from components.data.tokenizer import Tokenizer
+from components.runtime.errors import KilnError
 from models import get_model_spec
 from models.common.rope import apply_rope, rope_cache
 from models.llama3.state_dict_adapter import LlamaStateDictAdapter, half_to_interleaved, interleaved_to_half

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import REPO, TINY, check_ok, fails_with, run_train, run_trains_side_by_side, train_rows
 
-from components.hf_io import save_hf_folder
+from components.checkpoint.hf_folder import save_hf_folder
 from models import build_plain_model
 
 REPO_ID, COMMIT = "kiln-test/tiny-llama", "0123456789abcdef0123456789abcdef01234567"

@@ -2,8 +2,8 @@
 
 import torch
 
-from components.metrics import MetricsLogger
-from components.peak_flops import PeakFlops
+from components.observability.metrics import MetricsLogger
+from components.observability.peak_flops import PeakFlops
 
 
 def logger(tmp_path, terminal: bool) -> MetricsLogger:
@@ -40,7 +40,7 @@ def test_cpu_peak_is_timed_by_cpu_time_so_a_busy_machine_cannot_lower_it(monkeyp
     """A wall clock running ten times slow (a machine busy with other work) leaves the peak as it is."""
     import time as clock
 
-    from components import peak_flops
+    from components.observability import peak_flops
 
     torch.manual_seed(0)
     before = peak_flops.measure_cpu_tflops(size=256, bursts=2, repeats=2)
@@ -57,7 +57,7 @@ def test_cpu_peak_cache_says_how_and_when_and_reads_the_old_format(tmp_path, mon
     import json
     from datetime import datetime
 
-    from components import peak_flops
+    from components.observability import peak_flops
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(peak_flops, "measure_cpu_tflops", lambda: {
@@ -81,7 +81,7 @@ def test_cpu_peak_cache_says_how_and_when_and_reads_the_old_format(tmp_path, mon
 def test_a_run_faster_than_its_peak_raises_it_and_mfu_stays_at_most_100(tmp_path, monkeypatch, capsys):
     import json
 
-    from components import peak_flops
+    from components.observability import peak_flops
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     m = MetricsLogger(tmp_path, is_main=True, device=torch.device("cpu"), flops_per_token=10**12,

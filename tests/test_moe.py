@@ -142,7 +142,7 @@ def test_load_metrics(reference):
 def test_load_counts_the_routed_choices():
     """The layer's load is what routing really chose: per-token top-k choices counted by hand, and
     the imbalance of those counts (not just a number >= 1)."""
-    from components.moe_load import balance_experts, imbalance
+    from components.optim.expert_balance import balance_experts, imbalance
 
     moe = _layer()
     with torch.no_grad():

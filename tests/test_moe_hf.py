@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.errors import KilnError
-from components.hf_io import load_hf_state, save_hf_folder
+from components.checkpoint.hf_folder import load_hf_state, save_hf_folder
+from components.runtime.errors import KilnError
 from models import get_model_spec
 from models.moe.state_dict_adapter import MixtralStateDictAdapter
 

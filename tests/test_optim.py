@@ -1,4 +1,4 @@
-"""Tests components/optim.py: LR shapes against hand formulas, the scheduler, optimizers, errors."""
+"""Tests components/optim/: LR shapes against hand formulas, the scheduler, optimizers, errors."""
 
 import math
 
@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from components.errors import KilnError
-from components.optim import build_lr_scheduler, build_optimizer, lr_factor
+from components.optim.lr_schedule import build_lr_scheduler, lr_factor
+from components.optim.optimizer import build_optimizer
+from components.runtime.errors import KilnError
 
 WARMUP, TOTAL, MIN = 10, 100, 0.1
 
@@ -132,7 +133,7 @@ def test_fused_adamw_matches_foreach_on_cpu() -> None:
 
 def _groups_by_name(model: nn.Module, exclude: str) -> tuple[set[str], set[str]]:
     """(decayed names, excluded names) of the optimizer build_optimizer makes for model."""
-    from components.optim import embedding_names
+    from components.optim.optimizer import embedding_names
 
     opt = build_optimizer(model.named_parameters(), "AdamW", 1e-3, (0.9, 0.95), 1e-8, 0.1, "for-loop",
                           exclude=exclude, embeddings=embedding_names(model))

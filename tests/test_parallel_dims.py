@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from components.errors import KilnError
-from components.parallel_options import ParallelOptions
+from components.config.parallel_options import ParallelOptions
+from components.runtime.errors import KilnError
 from parallelisms.layout_checks import ModelShape
 from parallelisms.parallel_dims import ParallelDims
 
@@ -138,7 +138,7 @@ def test_summary_claims_sequence_parallel_only_for_a_plan_that_has_it() -> None:
     line says which, and nothing when it is not known (the planner)."""
     from conftest import REPO
 
-    from components.custom_import import import_custom
+    from components.runtime.custom_import import import_custom
     from models.llama3.parallelize import attention_plan, feed_forward_plan
     from parallelisms.tensor_parallel import shards_sequence, transformer_top_plan
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from components.distributed import init_distributed, pick_device
-from components.errors import KilnError
+from components.runtime.distributed import init_distributed, pick_device
+from components.runtime.errors import KilnError
 
 
 @pytest.fixture

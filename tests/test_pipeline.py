@@ -8,7 +8,7 @@ step 1 and 1e-4 through step 10.
 import pytest
 from conftest import TINY, check_ok, fails_with, run_train, train_rows
 
-from components.errors import KilnError
+from components.runtime.errors import KilnError
 from parallelisms.pipeline import parse_stage_layers, split_layers, stage_ids
 
 PP = [*TINY, "--training.global_batch_size", "8", "--job.custom_import", "tests.helpers.variant_models",

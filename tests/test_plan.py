@@ -3,7 +3,7 @@
 Planned parameter, gradient and optimizer bytes must equal what the real run's tensors hold
 (FSDP padding and uneven pipeline stages included), the planned peak must be within 10% of the
 allocator's measured peak of the same step, and the planned collectives must be the ones the step
-issued: calls and bytes per mesh dimension and kind (components/memory_report.py).
+issued: calls and bytes per mesh dimension and kind (components/observability/memory_report.py).
 """
 
 import json
@@ -95,7 +95,7 @@ def test_the_measured_cpu_peak_sees_frees_on_other_threads():
 
     import torch
 
-    from components.memory_report import AllocatorTotals, cpu_allocator_totals, window_peak
+    from components.observability.memory_report import AllocatorTotals, cpu_allocator_totals, window_peak
 
     mib = 1 << 20
     totals = AllocatorTotals()

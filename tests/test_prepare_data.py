@@ -7,9 +7,10 @@ from pathlib import Path
 
 import numpy as np
 
-from components.corpus import REPO_ROOT
-from components.data import TokenWindows, resolve_dataset, token_file_for
-from components.tokenizer import Tokenizer
+from components.data.loader import TokenWindows
+from components.data.sources import REPO_ROOT, resolve_dataset
+from components.data.token_cache import token_file_for
+from components.data.tokenizer import Tokenizer
 
 TOKENIZER = REPO_ROOT / "assets/tokenizer/tokenizer.json"
 SPLITS = {

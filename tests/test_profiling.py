@@ -4,7 +4,7 @@ history recording stops with the run."""
 import pytest
 import torch
 
-from components.profiling import maybe_profile
+from components.observability.profiling import maybe_profile
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*Profiler clears events:UserWarning")
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from conftest import TINY, check_ok, fails_with, read_metrics, run_train
 
-from components.errors import KilnError
-from components.streaming_loader import StreamingLoader
-from components.text_sources import open_stream, text_of
-from components.tokenizer import Tokenizer
+from components.data.sources import open_stream, text_of
+from components.data.streaming import StreamingLoader
+from components.data.tokenizer import Tokenizer
+from components.runtime.errors import KilnError
 
 DOCS = [f"Scene {i}. " + "Now is the winter of our discontent. " * (i % 5 + 1) for i in range(60)]
 

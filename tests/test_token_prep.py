@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY, check_ok, run_train, train_rows
 
-from components.corpus import EMBEDDED_DATASETS, read_documents
-from components.data import token_job, write_token_file
-from components.token_prep import prepare_token_file
-from components.tokenizer import Tokenizer
+from components.data.sources import EMBEDDED_DATASETS, read_documents
+from components.data.token_cache import prepare_token_file, token_job, write_token_file
+from components.data.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

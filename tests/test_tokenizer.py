@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from components.corpus import EMBEDDED_DATASETS, REPO_ROOT, read_documents
-from components.errors import KilnError
-from components.tokenizer import Tokenizer
+from components.data.sources import EMBEDDED_DATASETS, REPO_ROOT, read_documents
+from components.data.tokenizer import Tokenizer
+from components.runtime.errors import KilnError
 from scripts.train_tokenizer import train_tokenizer
 
 SHIPPED = REPO_ROOT / "assets/tokenizer/tokenizer.json"

@@ -1,4 +1,4 @@
-"""The private torch APIs Kiln uses: every one listed in components/torch_private.py, every listed one
+"""The private torch APIs Kiln uses: every one listed in components/runtime/torch_private.py, every listed one
 present on the installed torch, and that torch inside the range pyproject.toml declares."""
 
 import ast
@@ -10,7 +10,7 @@ import torch
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from components.torch_private import PRIVATE_APIS, missing
+from components.runtime.torch_private import PRIVATE_APIS, missing
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -21,12 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def product_files() -> list[Path]:
-    """The code users run: the trainer, models, parallelisms, components, planning and scripts (not
-    scripts/tutorial/, teaching code, nor scripts/torchtitan_*.py, which run TorchTitan, not Kiln)."""
-    files = [ROOT / name for name in ("train.py", "builders.py", "training_step.py")]
-    for folder in ("models", "parallelisms", "components", "planning"):
+    """The code users run: the trainer, models, parallelisms, components, planning, scripts and
+    benchmarks (not scripts/tutorial/, teaching code, nor benchmarks/torchtitan_*.py, which run
+    TorchTitan, not Kiln)."""
+    files = [ROOT / "train.py"]
+    for folder in ("training", "models", "parallelisms", "components", "planning"):
         files += sorted((ROOT / folder).rglob("*.py"))
-    files += [f for f in sorted((ROOT / "scripts").glob("*.py")) if not f.name.startswith("torchtitan_")]
+    for folder in ("scripts", "benchmarks"):
+        files += [f for f in sorted((ROOT / folder).glob("*.py")) if not f.name.startswith("torchtitan_")]
     return files
 
 
@@ -140,7 +142,7 @@ def product_uses() -> dict[str, set[str]]:
 def test_every_listed_private_api_exists_in_the_installed_torch():
     gone = missing()
     assert not gone, (f"torch {torch.__version__} lacks these private APIs Kiln uses (see "
-                      "components/torch_private.py for where): " + ", ".join(gone))
+                      "components/runtime/torch_private.py for where): " + ", ".join(gone))
 
 
 def test_a_vanished_private_api_is_reported():
@@ -151,14 +153,15 @@ def test_a_vanished_private_api_is_reported():
 
 def test_every_private_torch_use_is_listed():
     unlisted = {use: files for use, files in product_uses().items() if not is_listed(use, PRIVATE_APIS)}
-    assert not unlisted, ("private torch APIs used but not listed in components/torch_private.py "
+    assert not unlisted, ("private torch APIs used but not listed in components/runtime/torch_private.py "
                           f"(add them with where and why): {unlisted}")
 
 
 def test_every_listed_private_api_is_still_used():
     uses = product_uses()
     stale = [path for path in PRIVATE_APIS if not any(is_listed(use, {path: ""}) for use in uses)]
-    assert not stale, f"listed in components/torch_private.py but no longer used (remove them): {stale}"
+    assert not stale, (f"listed in components/runtime/torch_private.py but no longer used (remove them): "
+                       f"{stale}")
 
 
 def test_the_scan_finds_each_kind_of_private_use():

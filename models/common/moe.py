@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from components.eager import outside_compile
-from components.local_tensor import local_tensor
+from components.runtime.tensor_utils import local_tensor, outside_compile
 from models.common.feed_forward import FeedForward
 from models.common.init import trunc_normal_
 

@@ -7,7 +7,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
-from components.parallel_options import ParallelOptions
+from components.config.parallel_options import ParallelOptions
 from models.common.feed_forward import swiglu_hidden_dim
 from parallelisms.compose import finish_parallelize, tensor_parallelize
 from parallelisms.parallel_dims import ParallelDims

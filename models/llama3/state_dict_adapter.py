@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import Tensor
 
-from components.errors import KilnError
+from components.runtime.errors import KilnError
 from models.common.feed_forward import swiglu_hidden_dim
 from models.llama3.model import LlamaArgs
 

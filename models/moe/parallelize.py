@@ -10,8 +10,8 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
 )
 
-from components.moe_load import moe_layers
-from components.parallel_options import ParallelOptions
+from components.config.parallel_options import ParallelOptions
+from components.optim.expert_balance import moe_layers
 from models.llama3.parallelize import attention_plan, feed_forward_plan
 from models.moe.model import MoEModelArgs
 from parallelisms.compose import finish_parallelize, tensor_parallelize

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from components.errors import KilnError
+from components.runtime.errors import KilnError
 from models.llama3.state_dict_adapter import (
     BLOCK_NAMES,
     HF_BLOCK,

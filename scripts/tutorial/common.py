@@ -43,7 +43,7 @@ def leave_cleanly() -> None:
     Module hooks (DDP, FSDP) keep tensors in reference cycles; if they are freed while Python shuts
     down, gloo's worker thread may touch them and the process aborts ("terminate called without an
     active exception"). Collect them while the group still works, then leave with os._exit so no
-    late destructor runs — the order Kiln's trainer uses (components/distributed.py).
+    late destructor runs — the order Kiln's trainer uses (components/runtime/distributed.py).
     """
     gc.collect()
     dist.barrier()

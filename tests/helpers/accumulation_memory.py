@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from components.config import load_config  # noqa: E402
-from components.distributed import exit_cleanly, init_distributed  # noqa: E402
+from components.config.loading import load_config
+from components.runtime.distributed import exit_cleanly, init_distributed
 from parallelisms.fsdp import set_gradient_sync  # noqa: E402
 from train import Trainer  # noqa: E402
 

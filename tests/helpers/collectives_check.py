@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 sys.path.insert(0, ".")
-from components.distributed import exit_cleanly  # noqa: E402
+from components.runtime.distributed import exit_cleanly
 from parallelisms.fsdp import apply_fsdp  # noqa: E402
 from parallelisms.gloo_accelerations import (  # noqa: E402
     AllToAllReduceScatter,

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, ".")
 import parallelisms.gloo_accelerations as gloo  # noqa: E402
-from components.distributed import exit_cleanly  # noqa: E402
+from components.runtime.distributed import exit_cleanly
 from parallelisms.context_parallel import head_tail_positions, shard_sequence  # noqa: E402
 
 SEQ, HEADS, DIM = 1024, 4, 64  # a transfer of a few MiB per rank: long enough to still be in flight

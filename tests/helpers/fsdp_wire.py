@@ -29,8 +29,8 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
-from components.config import load_config  # noqa: E402
-from components.distributed import exit_cleanly, init_distributed  # noqa: E402
+from components.config.loading import load_config
+from components.runtime.distributed import exit_cleanly, init_distributed
 from train import Trainer  # noqa: E402
 
 STEPS = 2  # the second step all-gathers with the float8 scales precomputed after the first

@@ -23,17 +23,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from builders import build_layout, build_model_parts, load_model_family  # noqa: E402
-from components.config import load_config  # noqa: E402
-from components.distributed import exit_cleanly, init_distributed  # noqa: E402
-from components.local_tensor import local_tensor  # noqa: E402
-from components.parallel_options import ParallelOptions  # noqa: E402
+from components.config.loading import load_config
+from components.config.parallel_options import ParallelOptions
+from components.runtime.distributed import exit_cleanly, init_distributed
+from components.runtime.tensor_utils import local_tensor
 from parallelisms.materialize import materialize_and_init  # noqa: E402
+from training.assembly import build_layout, build_model_parts, load_model_family
 
 
 def allocator_events(profiler: torch.profiler.profile) -> list[tuple[int, int, int]]:
     """(time ns, address, bytes: + allocated, - freed) of every CPU allocator event recorded, in order."""
-    from torch._C._profiler import _EventType  # private to torch (as in components/memory_report.py)
+    from torch._C._profiler import (
+        _EventType,  # private to torch (as in components/observability/memory_report.py)
+    )
 
     out, stack = [], list(profiler.profiler.kineto_results.experimental_event_tree())
     while stack:

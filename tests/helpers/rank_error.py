@@ -3,7 +3,7 @@ file the others can."""
 
 import os
 
-from components.errors import KilnError
+from components.runtime.errors import KilnError
 
 if os.environ.get("RANK") == "1":
     raise KilnError("cannot read /data/shard-1.bin (only this rank fails)")

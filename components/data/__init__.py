@@ -1,0 +1,1 @@
+"""The data path: sources -> tokenizer -> token cache -> loader (memmap windows or streaming)."""

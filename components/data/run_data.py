@@ -1,0 +1,99 @@
+"""A run's data: its splits resolved once, text tokenized into the cache once, the training loader
+(memmap windows or streaming) and this rank's validation batches."""
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from components.config.sections import JobConfig
+from components.data.loader import BatchLoader, TokenWindows, validation_batches
+from components.data.sources import resolve_dataset
+from components.data.streaming import StreamingLoader
+from components.data.token_cache import console, prepare_token_file, token_job
+from components.data.tokenizer import Tokenizer
+from components.runtime.errors import KilnError
+
+
+@dataclass
+class DataRanks:
+    """Where this rank stands among the ranks that read different rows of a batch, and among the
+    ranks that tokenize a new corpus together (every rank that sees the same cache folder)."""
+
+    dp_rank: int
+    dp: int
+    worker: int = 0
+    workers: int = 1
+    is_main: bool = True  # says what tokenizing is doing
+
+
+@dataclass
+class RunData:
+    """The training loader, the memmap windows behind it (None when streaming) and the validation
+    batches (None without validation)."""
+
+    loader: BatchLoader | StreamingLoader
+    train_windows: TokenWindows | None
+    val_batches: list[tuple[torch.Tensor, torch.Tensor]] | None
+    description: str  # the start-up summary's data line
+
+
+def cache_folder(cfg: JobConfig) -> Path:
+    """Where tokenized datasets are cached: training.data_cache_dir, else <dump_folder>/data_cache."""
+    t = cfg.training
+    return Path(t.data_cache_dir) if t.data_cache_dir else Path(cfg.job.dump_folder) / "data_cache"
+
+
+def build_run_data(cfg: JobConfig, tokenizer: Tokenizer, vocab_size: int, global_batch: int,
+                   ranks: DataRanks) -> RunData:
+    """Resolve, tokenize (once, shared by the workers, cached) and open the run's data."""
+    t = cfg.training
+    splits = resolve_dataset(t.dataset, t.dataset_path)
+    streaming = t.dataset_mode == "streaming"
+    to_tokenize = {k: v for k, v in splits.items() if not (streaming and k == "train")}
+    if cfg.validation.dataset:
+        to_tokenize["val"] = _validation_source(cfg.validation.dataset)
+    cache = cache_folder(cfg)
+    say = console if ranks.is_main else (lambda line: None)
+    terminal = ranks.is_main and sys.stdout.isatty()
+    files = {k: prepare_token_file(token_job(v, tokenizer, cache, t.dataset_text_field), tokenizer,
+                                   ranks.worker, ranks.workers, say, terminal)
+             for k, v in to_tokenize.items()}
+    name = t.dataset_path or t.dataset
+    if streaming:
+        loader = StreamingLoader(str(splits["train"]), t.dataset_text_field, tokenizer, t.seq_len,
+                                 global_batch, t.local_batch_size, ranks.dp_rank, ranks.dp,
+                                 cache_dir=str(cache / "hf"))
+        windows = None
+        description = (f"data    {name}: streamed, tokenized on the fly, documents dealt to {ranks.dp} "
+                       f"data-parallel rank(s) (field {t.dataset_text_field!r})")
+    else:
+        windows = TokenWindows(files["train"], t.seq_len, vocab_size)
+        loader = BatchLoader(windows, global_batch, t.local_batch_size, ranks.dp_rank, ranks.dp, t.seed)
+        description = (f"data    {name}: {len(windows.tokens):,} train tokens ({len(windows):,} windows; "
+                       f"{len(windows) / global_batch:,.1f} steps per epoch)")
+    val = _validation_batches(cfg, files, vocab_size, global_batch, ranks) if cfg.validation.enable else None
+    return RunData(loader, windows, val, description)
+
+
+def _validation_source(dataset: str) -> Path | str:
+    """validation.dataset: a dataset's val split, or the whole of a file, folder, glob or hub dataset."""
+    try:
+        splits = resolve_dataset(dataset, "")
+    except KilnError as e:
+        raise KilnError(f"validation.dataset: {e}") from None
+    return splits.get("val", splits["train"])
+
+
+def _validation_batches(cfg: JobConfig, files: dict[str, Path], vocab_size: int, global_batch: int,
+                        ranks: DataRanks) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's validation rows, checked at start-up: rounds of one global batch each."""
+    if "val" not in files:
+        source = cfg.training.dataset_path or cfg.training.dataset
+        raise KilnError(f"validation.enable is set but the dataset {source} has no validation split: "
+                        "name one with --validation.dataset FILE (a file, folder, glob or dataset), or "
+                        "train on a folder with train.* and val.* files")
+    windows = TokenWindows(files["val"], cfg.training.seq_len, vocab_size)
+    rows = global_batch // ranks.dp
+    return validation_batches(windows, rows, ranks.dp_rank, ranks.dp, cfg.validation.steps)

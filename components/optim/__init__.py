@@ -1,0 +1,1 @@
+"""Optimizers, the learning-rate schedule, gradient-norm clipping and the MoE expert balance."""

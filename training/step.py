@@ -1,0 +1,174 @@
+"""One training step of this rank — microbatches or pipeline schedule, clip, optimizer — shared by
+the trainer (train.py) and the planner, which runs it on fake tensors to measure a rank.
+
+Built from this rank's materialised model parts by build_train_step(); what depends on the
+values of the data (how many tokens a step has, how many reached each expert) sits in two
+methods the planner replaces, `count_tokens` and `balance_experts`.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from components.config.parallel_options import ParallelOptions
+from components.optim.expert_balance import balance_experts, moe_layers, reset_expert_load, set_aux_loss_scale
+from components.optim.grad_norm import clip_grad_norm
+from components.runtime.tensor_utils import local_tensor
+from parallelisms.context_parallel import head_tail_positions, shard_sequence
+from parallelisms.fsdp import set_gradient_sync
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.partial_gradients import reduce_partial_gradients
+from parallelisms.pipeline import PipelineRunner, StageShapes, build_stages
+from parallelisms.tensor_parallel import loss_context
+from parallelisms.tied_weights import TiedWeightSync
+
+Batch = list[tuple[torch.Tensor, torch.Tensor]]  # a step's microbatches of (inputs, labels)
+
+
+@dataclass
+class StepSetup:
+    """What a step needs besides the model parts and optimizers."""
+
+    dims: ParallelDims
+    options: ParallelOptions
+    device: torch.device
+    max_norm: float
+    global_batch: int
+    num_stages: int = 1
+    stage_ids: tuple[int, ...] = (0,)
+    tied_names: tuple[tuple[str, ...], ...] = ()
+    after_optimizer_step: Callable[[], None] | None = None  # the model converters' hook (float8 scales)
+
+
+class TrainStep:
+    """Forward/backward over a step's microbatches (or the pipeline schedule), the distributed
+    grad-norm clip, the optimizer and LR step; call it with the step's microbatches."""
+
+    def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], schedulers: list,
+                 setup: StepSetup, stage_shapes: StageShapes | None = None) -> None:
+        dims, options = setup.dims, setup.options
+        self.parts, self.optimizers, self.schedulers = parts, optimizers, schedulers
+        self.dims, self.device, self.max_norm = dims, setup.device, setup.max_norm
+        self.after_optimizer_step = setup.after_optimizer_step
+        # Ranks that hold different tokens of a step (data and context parallel): losses and token
+        # counts are summed over them.
+        loss_mesh, cp_mesh = dims.mesh("dp_cp"), dims.mesh("cp")
+        self.loss_group = loss_mesh.get_group() if loss_mesh is not None else None
+        # Under context parallel each rank keeps its head-tail share of every sequence.
+        self.cp_positions = (head_tail_positions(options.seq_len, dims.cp, cp_mesh.get_local_rank())
+                             if cp_mesh is not None else None)
+        # Under TP the logits stay sharded over the vocabulary into the loss, unless disabled.
+        self.loss_parallel = dims.tp > 1 and options.loss_parallel
+        # The loss is compiled with the blocks, except on vocabulary-sharded DTensor logits.
+        compile_loss = options.compile and not self.loss_parallel
+        self.loss_fn: Callable = torch.compile(cross_entropy_sum) if compile_loss else cross_entropy_sum
+        # MoE layers (if any): their expert load moves the expert bias after each step.
+        self.moe_layers = moe_layers(parts)
+        self.expert_load: dict[str, list[int]] = {}
+        self.pipeline = (self._build_pipeline(setup, stage_shapes) if dims.pp > 1 else None)
+        # A tied embedding cut into two stages' copies stays one weight (parallelisms/tied_weights.py).
+        tied = [list(names) for names in setup.tied_names]
+        self.tied = (TiedWeightSync(parts, list(setup.stage_ids), tied, dims, options.pp_schedule,
+                                    setup.num_stages) if tied and dims.pp > 1 else None)
+
+    def _build_pipeline(self, setup: StepSetup, shapes: StageShapes | None) -> PipelineRunner:
+        """The schedule over this rank's stages; a step's rows per rank split into microbatches."""
+        n_microbatches = setup.global_batch // self.dims.dp // setup.options.pp_microbatch_size
+        stages = build_stages(self.parts, list(setup.stage_ids), setup.num_stages, self.device,
+                              self.dims.mesh("pp"), lambda: reset_expert_load(self.moe_layers), shapes)
+        return PipelineRunner(setup.options.pp_schedule, stages, n_microbatches, self.loss_fn,
+                              setup.num_stages)
+
+    def __call__(self, microbatches: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns this rank's summed loss and token count, and the global grad norm."""
+        microbatches = [self.shard_sequence(x, y) for x, y in microbatches]
+        local_tokens, global_tokens = self.count_tokens(microbatches)
+        # Every rank's loss is a sum over its tokens scaled by dp·cp / global tokens: the gradient
+        # average over data- and context-parallel ranks (÷ dp·cp) then yields the gradient of the
+        # mean over the global batch.
+        scale = self.dims.dp * self.dims.cp / global_tokens
+        set_aux_loss_scale(self.moe_layers, scale)
+        if self.pipeline is not None:
+            loss_sum = self._pipeline_forward_backward(microbatches, scale)
+        else:
+            loss_sum = self._forward_backward(microbatches, scale)
+        return loss_sum, local_tokens, self._optimizer_step()
+
+    def count_tokens(self, microbatches: Batch) -> tuple[torch.Tensor, float]:
+        """This rank's labelled tokens (a tensor) and the step's, summed over the loss group."""
+        local = torch.tensor(sum(int((y != IGNORE_INDEX).sum()) for _, y in microbatches),
+                             dtype=torch.float64, device=self.device)
+        total = local.clone()
+        if self.loss_group is not None:
+            dist.all_reduce(total, group=self.loss_group)
+        return local, total.item()
+
+    def _forward_backward(self, microbatches: Batch, scale: float) -> torch.Tensor:
+        """Gradient accumulation over the microbatches; data-parallel sync on the last one only."""
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for i, (inputs, labels) in enumerate(microbatches):
+            loss_sum += self._microbatch(inputs, labels, scale, last=i == len(microbatches) - 1)
+        return loss_sum
+
+    def _microbatch(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float, last: bool
+                    ) -> torch.Tensor:
+        """Forward and backward of one microbatch; returns its summed loss."""
+        model = self.parts[0]
+        set_gradient_sync(model, last)
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        with loss_context(self.loss_parallel):
+            loss = self.loss_fn(model(inputs), labels)
+            (loss * scale).backward()
+        return local_tensor(loss.detach())
+
+    def _pipeline_forward_backward(self, microbatches: Batch, scale: float) -> torch.Tensor:
+        """The whole step's rows through the pipeline schedule (it cuts its own microbatches)."""
+        inputs = torch.cat([x for x, _ in microbatches]).to(self.device)
+        labels = torch.cat([y for _, y in microbatches]).to(self.device)
+        with loss_context(self.loss_parallel):
+            return self.pipeline.run(inputs, labels, scale)
+
+    def _optimizer_step(self) -> torch.Tensor:
+        """Clip by the global grad norm (across meshes and stages), step, move the MoE expert bias
+        from the global load, step the LR, clear gradients; returns the grad norm."""
+        if self.tied is not None:
+            self.tied.sum_gradients()
+        params = [p for part in self.parts for p in part.parameters()]
+        reduce_partial_gradients(params)  # sequence-parallel norm weights: once, not per reader
+        pp_mesh = self.dims.mesh("pp")
+        pp_group = pp_mesh.get_group() if pp_mesh is not None else None
+        grad_norm = clip_grad_norm(params, self.max_norm, pp_group,
+                                   counted_elsewhere=self.tied.second_copies if self.tied is not None else [])
+        for opt in self.optimizers:
+            opt.step()
+        if self.after_optimizer_step is not None:
+            self.after_optimizer_step()
+        self.expert_load = self.balance_experts()
+        for sched in self.schedulers:
+            sched.step()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def balance_experts(self) -> dict[str, list[int]]:
+        """Move every MoE layer's expert bias from this step's global load; returns the load."""
+        return balance_experts(self.moe_layers, self.loss_group)
+
+    def shard_sequence(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of the sequences under context parallel (all of them otherwise)."""
+        if self.cp_positions is None:
+            return inputs, labels
+        return shard_sequence(inputs, self.cp_positions), shard_sequence(labels, self.cp_positions)
+
+
+IGNORE_INDEX = -100
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of per-token cross-entropy (fp32 logits; labels equal to IGNORE_INDEX count nothing)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1),
+                           reduction="sum", ignore_index=IGNORE_INDEX)
