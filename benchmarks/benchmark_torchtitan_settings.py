@@ -1,10 +1,10 @@
-"""Why two Kiln-beside-TorchTitan comparisons disagree: Kiln / TorchTitan measured setting by
-setting, one difference at a time, on the same machine in one sitting.
+"""What separates two Kiln-beside-TorchTitan comparisons: Kiln / TorchTitan measured setting by
+setting, one difference at a time, on the same machine in one session.
 
 The speed table (benchmarks/benchmark_speed.py) sets Kiln against TorchTitan 0.3.0 at vocabulary 4096
-(Kiln's tokenizer); a comparison against TorchTitan's last TOML-config commit, through its own
-debug_model.toml at its own vocabulary of 2048, found lower ratios. The settings, each against
-Kiln at the same vocabulary and layout (Kiln with torch's own collectives):
+(Kiln's tokenizer); the other comparison runs TorchTitan's last TOML-config commit through its own
+debug_model.toml at its own vocabulary of 2048. The settings, each against Kiln at the same
+vocabulary and layout (Kiln with torch's own collectives):
 
 - `0.3.0`: TorchTitan 0.3.0 as the speed table runs it (chunked loss, FSDP even on one process);
 - `0.3.0 plain CE`: its plain cross-entropy instead of the chunked loss;
@@ -22,7 +22,7 @@ trainers (TorchTitan's own test tokenizer has no BOS/EOS tokens in its tokenizer
 needs); what matters to the speed is the vocabulary's size, which shapes the embedding, the output
 head and the loss. Each cell is the median over --repeats of the median step's global tokens/s
 (Kiln and TorchTitan alternate), the shape of the speed table otherwise: dim 256, 6 layers, seq 128,
-local batch 4, fp32, one thread per process. Results and the sitting's date: benchmarks/speed.md.
+local batch 4, fp32, one thread per process. Results and their date: benchmarks/speed.md.
 """
 
 from __future__ import annotations

@@ -23,15 +23,12 @@ def apply_compile(model: nn.Module, tensor_parallel: bool = False) -> None:
     `Module.compile()` compiles in place, unlike `torch.compile(module)`, which wraps the module
     and adds `_orig_mod.` to every parameter name.
 
-    Under tensor parallel, torch 2.13 and 2.14 mishandle the tensors that torch's TP styles return
-    from their asynchronous redistributes when those enter a compiled graph (AOTAutograd, so on
-    every device):
-    - a whole compiled block whose sequence-parallel RMSNorms work on DTensors fails in backward
-      ("'Tensor' object has no attribute '_local_tensor'" in Redistribute.backward), so only
-      attention and feed-forward (or MoE) are compiled, the norms and residual adds stay eager;
-    - graphs loaded from the AOTAutograd cache (a second run on the same machine) give the
-      sequence-parallel norms wrong gradients while a fresh compile matches eager, so that cache
-      is turned off for the process (inductor's FX graph cache stays on).
+    Under tensor parallel on the releases in TP_COMPILE_BUGS, compiled graphs mishandle the tensors
+    of TP's asynchronous redistributes (on every device; docs/compatibility.md): a whole block whose
+    sequence-parallel norms work on DTensors fails in backward, so only attention and feed-forward
+    (or MoE) are compiled and the norms and residual adds stay eager; and graphs loaded from the
+    AOTAutograd cache give those norms wrong gradients, so that cache is off for the process
+    (inductor's FX graph cache stays on).
     """
     per_part = tensor_parallel and tp_compile_bugs(torch.__version__)
     if per_part:

@@ -12,11 +12,9 @@ on S/cp tokens per rank and only attention talks to the other ranks, in one of t
 Either way attention runs one chunk pair at a time, merging by log-sum-exp and skipping pairs
 the causal mask hides (parallelisms/blockwise_attention.py).
 
-Kiln's own implementation on every device: torch's `context_parallel` fails on CPU (torch 2.13:
-"_scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
-registered"; with the math backend, "aten.add.Tensor got mixed torch.Tensor and DTensor") and
-shards buffers with its own layout,
-which would tie Kiln's data and RoPE positions to a private API.
+Kiln's own implementation on every device: torch's `context_parallel` fails on CPU
+(docs/compatibility.md) and shards buffers with its own layout, which would tie Kiln's data and
+RoPE positions to a private API.
 """
 
 from collections.abc import Callable

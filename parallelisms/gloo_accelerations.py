@@ -124,7 +124,7 @@ def accelerate_fsdp(model: nn.Module) -> bool:
     order = _forward_order(model)
     for module, following in zip(order, order[1:], strict=False):
         module.set_modules_to_forward_prefetch([following])
-    for module in fsdp:  # torch's only switch for async unshards is underscored (2.13, 2.14)
+    for module in fsdp:  # torch's only switch for async unshards is private (docs/compatibility.md)
         module._set_unshard_async_op(True)
     return True
 

@@ -3,7 +3,7 @@ its name, and a rank holds at most one full parameter at a time besides its own 
 
 torch's route (meta → shard → to_empty → init_weights on DTensors) gives every shard the same
 random values on a CPU mesh (torch warns "DTensor random operators may not have complete support
-on cpu device mesh", measured on torch 2.13). Kiln instead runs the model's own init_weights on a
+on cpu device mesh"; docs/compatibility.md). Kiln instead runs the model's own init_weights on a
 plain meta-device copy in which exactly one parameter is real: random ops on meta tensors do
 nothing and draw no random numbers, so the real parameter gets exactly what init_weights gives
 it, from a generator seeded by (seed, parameter name). The rank keeps its slice of it

@@ -117,7 +117,7 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
         self.world_mesh = mesh
         # Flattened views are kept here: torch deprecates slicing them back out of the root.
-        # DeviceMesh._flatten is private but is the only way to make them in torch 2.13.
+        # DeviceMesh._flatten is private but torch offers no public way (docs/compatibility.md).
         for view, parts in (
             ("dp", ("dp_replicate", "dp_shard")),
             ("dp_shard_cp", ("dp_shard", "cp")),

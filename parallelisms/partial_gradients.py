@@ -3,9 +3,9 @@
 Under sequence parallel a norm's weight is replicated on the TP ranks while each rank saw only its
 slice of the sequence, so backward leaves the weight's gradient a Partial DTensor: the sum over
 ranks is the gradient. torch reduces such a gradient wherever it is read — once in the grad-norm,
-again inside the optimizer's fused kernel, one all-reduce per norm weight each time (26 calls per
-debug step at TP 2). Reducing them all once, flattened into one buffer per mesh, before the clip
-leaves every later reader a Replicate gradient and nothing to communicate.
+again inside the optimizer's fused kernel, one all-reduce per norm weight each time. Reducing them
+all once, flattened into one buffer per mesh, before the clip leaves every later reader a
+Replicate gradient and nothing to communicate.
 """
 
 from collections import defaultdict

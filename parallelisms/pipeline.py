@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from components.runtime.errors import KilnError
 from components.runtime.tensor_utils import local_tensor
 
-# torch.distributed.pipelining imports the compiler (~0.5 s per process), so it is imported only
-# where a pipeline is built: runs without one start faster.
+# torch.distributed.pipelining imports the compiler, which is slow to import, so it is imported
+# only where a pipeline is built: runs without one start faster.
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
 
@@ -133,8 +133,8 @@ def build_stages(parts: list[nn.Module], ids: list[int], num_stages: int, device
                                     **static))
     if after_metadata_inference is not None:
         for stage in stages:
-            # torch 2.13 has no public hook here; its schedules call this private method on every
-            # stage right after metadata inference.
+            # torch has no public hook here (docs/compatibility.md); its schedules call this
+            # private method on every stage right after metadata inference.
             cleanup = stage._post_metadata_inference_cleanup
 
             def cleanup_then_hook(cleanup: Callable[[], None] = cleanup) -> None:

@@ -172,7 +172,8 @@ def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:
     """Overlap TP communication with compute (micro-pipelined TP through inductor, CUDA symmetric
     memory; the layout checks make sure of CUDA and compile)."""
-    # Private torch APIs, as TorchTitan uses them: async TP has no public switch in torch 2.13.
+    # Private torch APIs, as TorchTitan uses them: async TP has no public switch
+    # (docs/compatibility.md).
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     torch._inductor.config._micro_pipeline_tp = True

@@ -49,8 +49,8 @@ def _ready(stage: int, kind: str, mb: int, last_stage: int, done: dict) -> float
 
 def one_f_one_b_order(num_stages: int, n_microbatches: int) -> dict[int, list[tuple[int, str, int]]]:
     """The order torch's Schedule1F1B runs: stage s does min(m, p − s) forwards, then one backward
-    and one forward in turn, then the remaining backwards. (torch 2.14's own pipeline_order for
-    1F1B numbers the later stages' forwards from 1, so it is rebuilt from that runtime rule.)"""
+    and one forward in turn, then the remaining backwards. (torch's own pipeline_order for 1F1B
+    misnumbers the later stages' forwards, docs/compatibility.md, so it is rebuilt from that rule.)"""
     order = {}
     for stage in range(num_stages):
         warmup = min(n_microbatches, num_stages - stage)

@@ -231,9 +231,8 @@ class StepTracker(TorchDispatchMode):
     def _reduction_cast(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
         """A reduction asked for another dtype than its input's first copies the whole input to it
         (ATen's make_reduction: `self.to(dtype)`), a buffer inside the kernel that neither dispatch
-        nor fake tensors see (a float64 norm of a vocabulary-sized gradient once made the peak of
-        125M at TP 2). Counted for CPU plans only: CUDA reduces half/bfloat16 into float32 without a
-        copy."""
+        nor fake tensors see (a float64 norm of a vocabulary-sized gradient can make a step's peak).
+        Counted for CPU plans only: CUDA reduces half/bfloat16 into float32 without a copy."""
         names = [a.name for a in func._schema.arguments]
         dtype = kwargs.get("dtype")
         if dtype is None and "dtype" in names and names.index("dtype") < len(args):

@@ -7,14 +7,11 @@ CUDA torch.cuda.max_memory_allocated, on CPU the most bytes the c10 CPU allocato
 its events of step 2, counted from before the model exists (every tensor byte, none of the
 interpreter's; the corpus, read before, is left out as host memory).
 
-Why not the profiler's allocation and free events summed: torch.profiler records them only on
-threads it profiles, and gloo frees blocks on its own worker threads whenever a finished work
-holds their last reference (an all-gather's output, the copy of its input a reduce-scatter works
-in), which depends on how the threads are scheduled. Those frees never appear, so summed events
-(or events paired by address) keep such a block alive for as long as chance has it, and the peak
-moved from run to run under load. The c10 CPU allocator keeps its own running total over every
-thread when FLAGS_caffe2_report_cpu_memory_usage is set, and the profiler stores that total with
-each event it records, so the report sets the flag while it records and reads the totals.
+The CPU figure is the c10 allocator's own running total, which it keeps over every thread when
+FLAGS_caffe2_report_cpu_memory_usage is set (the report sets it while it records) and which the
+profiler stores with each event. Summing the profiler's allocation and free events would not do:
+it sees only the threads it profiles, and gloo frees blocks on its own worker threads (an
+all-gather's output, a reduce-scatter's copy of its input), so the peak would follow scheduling.
 
 Given the run's ParallelDims, the report also holds "communication": the bytes and calls of every
 c10d collective the rank issues in step 2, by mesh dimension and kind, counted by the planner's own
@@ -173,7 +170,7 @@ class CollectiveCounter(TorchDispatchMode):
 
     def __init__(self, dims: ParallelDims) -> None:
         super().__init__()
-        # Imported here: torch.distributed._tools takes seconds to import, needed only by a report.
+        # Imported here: torch.distributed._tools is slow to import and needed only by a report.
         from torch.distributed._tools.fake_collectives import collective_ops, sync_ops
 
         from planning.fake_world import mesh_group_names

@@ -24,11 +24,11 @@ def _group_by_mesh(grads: list[torch.Tensor]) -> dict[object, list[torch.Tensor]
 def _local_square_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Σ x² over these plain tensors, in float32 without copies.
 
-    torch's float32 norm on CPU sums a tensor in a few long serial runs: on a 1M-element
-    output-head gradient it was 3e-4 off the float64 value, enough to break grad-norm parity
-    between layouts. Summing each row first, then the rows' squares, keeps every run short and
-    the result at float32 rounding — without the float64 copy of every gradient (10 ms of a 230 ms
-    debug step). GPUs reduce in a tree: one fused kernel per group.
+    torch's float32 norm on CPU sums a tensor in a few long serial runs, which on a large
+    output-head gradient lands far enough from the float64 value to break grad-norm parity between
+    layouts. Summing each row first, then the rows' squares, keeps every run short and the result at
+    float32 rounding, without a float64 copy of every gradient (which costs a step real time).
+    GPUs reduce in a tree: one fused kernel per group.
     """
     if tensors[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(tensors)).float().square().sum()

@@ -5,17 +5,16 @@ as they are.
 
 Parameters stay float32 (checkpoints stay plain, and resume with float8 on or off). With FSDP and
 the tensorwise recipe, weights are cast to float8 before FSDP's all-gather (half bf16's bytes).
-gloo refuses float8 tensors ("Invalid scalar type", measured on torch 2.14.1), but FSDP2 packs a
-group whose inputs have mixed dtypes — every Kiln block holds its norms' weights beside the float8
-ones — into one uint8 buffer, so the float8 weights travel as bytes on gloo too; a block of float8
-weights alone would not, and is refused on cpu.
+gloo refuses float8 tensors (docs/compatibility.md), but FSDP2 packs a group whose inputs have
+mixed dtypes — every Kiln block holds its norms' weights beside the float8 ones — into one uint8
+buffer, so the float8 weights travel as bytes on gloo too; a block of float8 weights alone would
+not, and is refused on cpu.
 
 Off CUDA the matmul itself is emulated (torchao's `emulate`: the float8 values, scaled back, multiplied
 in float32). The casts to float8 — the numerics float8 training is about — stay the same; only the
-kernel changes. A 100-step debug run that takes 20 s on an AMD EPYC printed 3 tok/s and did not
-finish in 10 minutes on a CI machine. torch's CPU `_scaled_mm` sends float8 to oneDNN on CPUs with
-AMX and emulates it elsewhere (the EPYC has no AMX), the likely cause; emulating here gives every
-CPU the same float32-matmul speed.
+kernel changes. torch's CPU `_scaled_mm` sends float8 to oneDNN on CPUs with AMX and emulates it
+elsewhere, at very different speeds from one CPU to the next (benchmarks/notes.md); emulating here
+gives every CPU the same float32-matmul speed.
 """
 
 import dataclasses

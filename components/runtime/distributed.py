@@ -172,10 +172,10 @@ def set_seed(seed: int, deterministic: bool) -> None:
 def exit_cleanly(code: int, release_meshes=None) -> None:
     """Leave without the SIGABRT that a live DeviceMesh can cause at exit.
 
-    With a mesh still alive, a process died with SIGABRT ("terminate called without an active
-    exception") after destroy_process_group() in 5 of 12 CPU/gloo runs, so torchrun reported a
-    failure. The order that measured zero failures: drop mesh references, collect garbage,
-    destroy the group, flush, then os._exit so no late destructor runs.
+    With a mesh still alive, a process can die with SIGABRT ("terminate called without an active
+    exception") after destroy_process_group(), and torchrun then reports a failure. So: drop mesh
+    references, collect garbage, destroy the group, flush, then os._exit so no late destructor runs
+    (the order found to end cleanly: benchmarks/notes.md).
     """
     if release_meshes is not None:
         release_meshes()

@@ -1,8 +1,9 @@
 """Every private (underscored) torch API Kiln's product code uses, with where and why.
 
 Private APIs can change or vanish in any torch release: this is the list to walk when torch is
-upgraded, and tests/test_torch_private.py fails when an entry no longer resolves on the installed
-torch or when product code uses one that is not listed here.
+upgraded, and tests/unit/test_torch_private.py fails when an entry no longer resolves on the
+installed torch or when product code uses one that is not listed here. The tested torch range and
+the version workarounds: docs/compatibility.md.
 """
 
 import importlib

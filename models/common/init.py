@@ -1,9 +1,9 @@
 """Weight initialisers that need little memory beyond the weight itself.
 
-torch's nn.init.trunc_normal_ (2.14) samples the whole tensor by rejection, with temporaries a few
-times its size: an 8B model's output head (2 GiB in fp32) would need several GiB more while it
-initialises, on a rank meant to hold its shards plus one parameter. Sampling it a block of rows at
-a time keeps torch's sampler and bounds that extra memory by the block.
+torch's nn.init.trunc_normal_ samples the whole tensor by rejection, with temporaries a few times
+its size (see docs/compatibility.md): a large output head would need several times its own size
+while it initialises, on a rank meant to hold its shards plus one parameter. Sampling it a block of
+rows at a time keeps torch's sampler and bounds that extra memory by the block.
 """
 
 import torch

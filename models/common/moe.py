@@ -74,8 +74,8 @@ class GroupedExperts(nn.Module):
         """x [tokens, dim] sorted by expert, counts[e] rows for local expert e → outputs, same order."""
         w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
         if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-            # One grouped GEMM per projection (CUDA bf16). Its backward fails on CPU in torch 2.13,
-            # so CPU takes the loop below.
+            # One grouped GEMM per projection (CUDA bf16). Its backward fails on CPU
+            # (docs/compatibility.md), so CPU takes the loop below.
             offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
             h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
             h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)

@@ -5,8 +5,8 @@ from models.moe.model import MoEModelArgs
 
 MOE_FLAVORS: dict[str, MoEModelArgs] = {
     # dim 256, 6 layers, 8 experts, top 2, one shared expert; vocab = the embedded tokenizer. The
-    # bias moves 10x faster than DeepSeek-V3's 1e-3 so that a 100-step run ends balanced
-    # (measured max/mean load over steps 51-100: 2.49 without bias, 2.28 at 1e-3, 1.42 at 1e-2).
+    # bias step is ten times DeepSeek-V3's 1e-3 so that a short debug run (100 steps) ends balanced
+    # (benchmarks/notes.md).
     "debug": MoEModelArgs(
         dim=256, n_layers=6, n_heads=16, vocab_size=4096, max_seq_len=8192,
         moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=256, num_shared_experts=1, load_balance_coeff=1e-2),
