@@ -3,9 +3,10 @@
     torchrun --nproc-per-node=2 train.py --config llama_debug.toml
     python train.py --config llama_debug.toml --training.steps 20
 
-Read it in run order: Trainer.__init__ names the builders (model family, tokenizer, layout, data,
-model, optimizers, checkpoints, metrics); train() is the loop, train_step() one step, then
-validation and checkpoints; main() turns errors into one line and a clean exit.
+Read it in run order: Trainer.__init__ names what it builds (model family, tokenizer, layout, data,
+model, optimizers and the training step — training/assembly.py, shared with the planner —,
+checkpoints, metrics), each builder returning what it built; train() is the loop, then validation
+and checkpoints; main() turns errors into one line and a clean exit.
 """
 
 import contextlib
@@ -36,7 +37,7 @@ from components.config.sections import JobConfig
 from components.data.run_data import DataRanks, build_run_data, cache_folder
 from components.data.tokenizer import Tokenizer
 from components.observability.memory_report import MemoryReport
-from components.observability.metrics import MetricsLogger, memory_gib
+from components.observability.metrics import MetricsLogger, fullest_rank_memory_gib
 from components.observability.peak_flops import peak_flops
 from components.observability.profiling import maybe_profile
 from components.observability.run_summary import (
@@ -48,8 +49,6 @@ from components.observability.run_summary import (
 )
 from components.observability.wandb_run import WandbOptions
 from components.optim.expert_balance import imbalance
-from components.optim.lr_schedule import build_lr_scheduler
-from components.optim.optimizer import build_optimizer, embedding_names
 from components.quantization.converters import (
     ConverterContext,
     after_optimizer_step,
@@ -68,12 +67,16 @@ from components.runtime.errors import KilnError, report_kiln_error, reported_els
 from components.runtime.filesystem import check_paths, keep_earlier_run, require_writable, unseen_by
 from components.runtime.hub import resolve_asset
 from components.runtime.loop_control import GarbageCollection, StopRequest
-from components.runtime.tensor_utils import local_tensor
 from parallelisms.materialize import materialize_and_init
 from parallelisms.parallel_dims import ParallelDims
-from parallelisms.tensor_parallel import loss_context
-from training.assembly import build_layout, build_model_parts, load_model_family
-from training.step import IGNORE_INDEX, StepSetup, TrainStep
+from training.assembly import (
+    ModelParts,
+    build_layout,
+    build_model_parts,
+    build_optimizers,
+    build_train_step,
+    load_model_family,
+)
 
 
 class Trainer:
@@ -87,7 +90,7 @@ class Trainer:
         self.spec, self.model_args = load_model_family(cfg)
         self.tokenizer = self._build_tokenizer()
         self.options = ParallelOptions.from_config(cfg, info.device.type)
-        self.dims = self._build_layout()
+        self.dims, self.global_batch = self._build_layout()
         self.converter_ctx = ConverterContext(cfg, self.dims.fsdp_enabled, self.dims.tp > 1, info.device.type)
         self.converters = resolve_converters(cfg.model.converters, self.converter_ctx)
         self.data = build_run_data(cfg, self.tokenizer, self.model_args.vocab_size, self.global_batch,
@@ -96,17 +99,21 @@ class Trainer:
         # (the corpus, host memory on a GPU machine, is left out).
         self.memory_report = (MemoryReport(info.device, self.dump / f"memory_rank{info.rank}.json", self.dims)
                               if cfg.profiling.memory_report else None)
-        self._build_model()
-        self._build_optimizers()
-        self.step = TrainStep(self.model_parts, self.optimizers, self.schedulers, StepSetup(
-            self.dims, self.options, info.device, cfg.training.max_norm, self.global_batch, self.num_stages,
-            tuple(self.stage_ids), tuple(tuple(names) for names in self.tied_names),
-            self._after_optimizer_step_hook()))
+        self.model = self._build_model()
+        self.flops_per_token = self.spec.flops_per_token_fn(self.model_args, self.model.num_params,
+                                                            cfg.training.seq_len)
+        self.optimizers, self.schedulers = build_optimizers(cfg, self.model, info.device.type)
+        self.train_step = build_train_step(cfg, self.model, self.optimizers, self.schedulers, self.dims,
+                                           self.options, info.device, self.global_batch,
+                                           self._after_optimizer_step_hook())
         if self.memory_report is not None:
-            self.memory_report.watch(self.model_parts, self.optimizers)
+            self.memory_report.watch(self.model.parts, self.optimizers)
         self.state = TrainState()
         self.last_checkpoint: Path | None = None
         self.checkpoint = self._build_checkpointing()
+        # One process per node measures the CPU peak for MFU while the others wait, then read its cache.
+        self.peak = local_rank_zero_first(info.local_rank,
+                                          lambda: peak_flops(info.device, cfg.metrics.peak_tflops))
         self.metrics = self._build_metrics()
 
     # ------------------------------------------------------------------ building
@@ -116,7 +123,7 @@ class Trainer:
         hot path then)."""
         if not any(c.after_optimizer_step for c in self.converters):
             return None
-        return lambda: after_optimizer_step(self.model_parts, self.converters, self.converter_ctx)
+        return lambda: after_optimizer_step(self.model.parts, self.converters, self.converter_ctx)
 
     def _build_tokenizer(self) -> Tokenizer:
         """The tokenizer, which must fit the model's vocabulary (as training.seq_len its positions)."""
@@ -128,15 +135,13 @@ class Trainer:
                             f"{args.vocab_size}")
         return tokenizer
 
-    def _build_layout(self) -> ParallelDims:
+    def _build_layout(self) -> tuple[ParallelDims, int]:
         """The degrees, checked against the world, the model and the run (every problem at once), then
-        one mesh; also this rank's data-parallel rank."""
-        dims, self.global_batch = build_layout(self.cfg, self.spec, self.model_args, self.info.world_size,
-                                               self.options, self.info.device.type)
+        one mesh; and the global batch size."""
+        dims, global_batch = build_layout(self.cfg, self.spec, self.model_args, self.info.world_size,
+                                          self.options, self.info.device.type)
         dims.build_mesh(self.info.device.type)
-        dp_mesh = dims.mesh("dp")
-        self.dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
-        return dims
+        return dims, global_batch
 
     def _data_ranks(self) -> DataRanks:
         """This rank's rows of a batch, and its share of tokenizing a new corpus: every rank of the job
@@ -148,23 +153,23 @@ class Trainer:
             require_writable(cache, "training.data_cache_dir")
             if unseen_by(cache, self.cfg.checkpoint.shared_folder_wait_seconds):
                 worker, workers = info.local_rank, info.world_size // info.nodes
-        return DataRanks(self.dp_rank, self.dims.dp, worker, workers, info.is_main)
+        dp_mesh = self.dims.mesh("dp")
+        dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
+        return DataRanks(dp_rank, self.dims.dp, worker, workers, info.is_main)
 
-    def _build_model(self) -> None:
+    def _build_model(self) -> ModelParts:
         """The model on the meta device, cut into this rank's pipeline stages, each parallelized and
-        then materialised with layout-free initial weights; the loss and the step's helpers."""
-        args, t = self.model_args, self.cfg.training
-        built = build_model_parts(self.spec, args, self.dims, self.options,
-                                  lambda model: convert_model(model, self.converters, self.converter_ctx))
-        self.num_params, tied = built.num_params, built.tied_names
-        self.tied_names = tied  # the checkpoint's optimizer state keeps one copy of a tied weight
-        self.flops_per_token = self.spec.flops_per_token_fn(args, self.num_params, t.seq_len)
-        self.model_parts, self.stage_ids, self.num_stages = built.parts, built.stage_ids, built.num_stages
-        self.accelerations = built.accelerations
-        for part in self.model_parts:
-            materialize_and_init(part, lambda: self.spec.model_cls(args), t.seed, self.info.device)
+        then materialised with layout-free initial weights."""
+        args = self.model_args
+        model = build_model_parts(self.spec, args, self.dims, self.options,
+                                  lambda whole: convert_model(whole, self.converters, self.converter_ctx))
+        for part in model.parts:
+            materialize_and_init(part, lambda: self.spec.model_cls(args), self.cfg.training.seed,
+                                 self.info.device)
             part.train()
             self._set_document_mask(part)
+        return model
+
     def _set_document_mask(self, part: torch.nn.Module) -> None:
         """training.document_mask: tell the model its BOS token (models/protocol.py's hook)."""
         t = self.cfg.training
@@ -178,24 +183,13 @@ class Trainer:
         part.document_bos_id = self.tokenizer.bos_id
         part.restart_positions = t.document_positions_restart
 
-    def _build_optimizers(self) -> None:
-        """One optimizer and LR schedule per model part (pipeline stages keep separate state dicts)."""
-        o, s, steps = self.cfg.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps
-        self.optimizers = [build_optimizer(
-            part.named_parameters(), o.name, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay,
-            o.implementation, exclude=o.weight_decay_exclude,
-            embeddings=embedding_names(part, self.tied_names))
-            for part in self.model_parts]
-        self.schedulers = [build_lr_scheduler(
-            opt, warmup_steps=s.warmup_steps, total_steps=steps, decay_ratio=s.decay_ratio,
-            decay_type=s.decay_type, min_lr_factor=s.min_lr_factor) for opt in self.optimizers]
-
     def _build_checkpointing(self) -> CheckpointManager:
         """Every Stateful part of the run, saved and loaded together."""
         c, streaming = self.cfg.checkpoint, self.cfg.training.dataset_mode == "streaming"
-        states = {"model": ModelState(self.model_parts),
-                  "optimizer": OptimizerState(self.model_parts, self.optimizers, aliases={
-                      name: names[0] for names in self.tied_names for name in names[1:]}),
+        # The optimizer state keeps one copy of a tied weight.
+        states = {"model": ModelState(self.model.parts),
+                  "optimizer": OptimizerState(self.model.parts, self.optimizers, aliases={
+                      name: names[0] for names in self.model.tied_names for name in names[1:]}),
                   "lr_scheduler": SchedulerState(self.schedulers),
                   "dataloader": (StreamingLoaderState if streaming else DataLoaderState)(self.data.loader),
                   "train_state": self.state}
@@ -207,11 +201,8 @@ class Trainer:
             partial_model=self.dims.pp > 1, shared_folder_wait_seconds=c.shared_folder_wait_seconds)
 
     def _build_metrics(self) -> MetricsLogger:
-        """Console, metrics.jsonl and TensorBoard; one process per node measures the CPU peak for MFU
-        while the others wait, then they read its cache."""
+        """Console, metrics.jsonl, TensorBoard and W&B; MFU against self.peak."""
         m = self.cfg.metrics
-        self.peak = local_rank_zero_first(self.info.local_rank,
-                                          lambda: peak_flops(self.info.device, m.peak_tflops))
         tb = self.dump / m.save_tb_folder if m.enable_tensorboard else None
         wandb = (WandbOptions(m.wandb_project, m.wandb_run_name, m.wandb_run_id, config_to_dict(self.cfg))
                  if m.enable_wandb else None)
@@ -221,21 +212,19 @@ class Trainer:
 
     def summary(self) -> str:
         """The start-up lines: model, layout, batch, data, precision and the MFU peak."""
-        d, a = self.dims, self.model_args
-        pipeline = self.step.pipeline
-        n_micro = pipeline.n_microbatches if pipeline is not None else 0
+        d, a, model = self.dims, self.model_args, self.model
         lines = startup_summary(self.cfg, RunFacts(
-            num_params=self.num_params, embedding_params=a.vocab_size * a.dim,
+            num_params=model.num_params, embedding_params=a.vocab_size * a.dim,
             flops_per_token=self.flops_per_token, layout=d.describe(
-                self.options, self.num_stages, n_micro,
-                any(getattr(part, "tp_sequence_parallel", False) for part in self.model_parts)),
+                self.options, model.num_stages, self.train_step.pipeline_microbatches,
+                any(getattr(part, "tp_sequence_parallel", False) for part in model.parts)),
             world_size=d.world_size, nodes=self.info.nodes,
             backend=dist.get_backend() if dist.is_initialized() else "none",
             device_type=self.info.device.type, global_batch=self.global_batch,
             microbatches=self.data.loader.microbatches, data=self.data.description,
             numerics=self._numerics(), peak=self.peak))
         if self.cfg.comm.gloo_accelerations:  # opt-in, so said whenever asked for
-            done = "; ".join(self.accelerations) or "none apply to this layout or backend"
+            done = "; ".join(self.model.accelerations) or "none apply to this layout or backend"
             lines += f"\ncomm    gloo accelerations: {done}"
         return lines
 
@@ -284,14 +273,14 @@ class Trainer:
                 lr = self.schedulers[0].get_last_lr()[0]
                 if self.memory_report is not None:
                     self.memory_report.step_begins(st.step)
-                loss_sum, local_tokens, grad_norm = self.step(self.data.loader.batch(st.step))
+                loss_sum, local_tokens, grad_norm = self.train_step(self.data.loader.batch(st.step))
                 if self.memory_report is not None:
-                    self.memory_report.step_ends(st.step, self.model_parts, self.optimizers)
+                    self.memory_report.step_ends(st.step, self.model.parts, self.optimizers)
                 st.tokens_seen += tokens_per_step
                 self.metrics.count_tokens(tokens_per_step // self.info.world_size)
                 last = st.step == t.steps
                 if st.step % cfg.metrics.log_freq == 0 or last:
-                    loss, loss_tokens = self.global_mean(loss_sum, local_tokens)
+                    loss, loss_tokens = self.train_step.global_mean(loss_sum, local_tokens)
                     self.metrics.log_step(st.step, loss, grad_norm.item(), lr, st.tokens_seen,
                                           {"loss_tokens": loss_tokens, **self.moe_metrics()})
                 if cfg.validation.enable and (st.step % cfg.validation.freq == 0 or last):
@@ -314,7 +303,8 @@ class Trainer:
             first_step=first_step, last_step=st.step, total_steps=t.steps, tokens=st.tokens_seen,
             session_tokens=st.tokens_seen - first_tokens, session_seconds=time.perf_counter() - started,
             run_seconds=self.metrics.run_time(), world_size=self.info.world_size,
-            last_row=self.metrics.last_row, last_val=self.metrics.last_val, peak_mem_gib=self._peak_memory(),
+            last_row=self.metrics.last_row, last_val=self.metrics.last_val,
+            peak_mem_gib=fullest_rank_memory_gib(self.info.device),
             checkpoint=self.last_checkpoint, checkpointing=self.checkpoint.enable, dump=self.dump,
             stopped_by=stopped_by, compiled_graphs=compiled_graphs() if cfg.compile.enable else None)))
 
@@ -326,13 +316,6 @@ class Trainer:
         if kept is not None:
             self.say(f"this is a new run: the earlier run's records in {self.dump} (metrics.jsonl, "
                      f"config.toml, ...) were moved to {kept}")
-
-    def _peak_memory(self) -> float:
-        """Peak memory (GiB) of the fullest rank."""
-        peak = torch.tensor(memory_gib(self.info.device), device=self.info.device)
-        if dist.is_initialized():
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return peak.item()
 
     def _write_resolved_config(self) -> None:
         """config.toml, written only now that the run's input was accepted; data_parallel_shard_degree
@@ -355,55 +338,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def global_mean(self, total: torch.Tensor, count: torch.Tensor) -> tuple[float, int]:
-        """(sum(total) / sum(count), sum(count)) over the data- and context-parallel ranks: the mean
-        and the tokens it really averaged over (logged as loss_tokens)."""
-        both = torch.stack([total.double(), count.double()])
-        if self.step.loss_group is not None:
-            dist.all_reduce(both, group=self.step.loss_group)
-        if self.step.pipeline is not None:  # only the last stage has the loss: share it along the pipeline
-            both = both if self.step.pipeline.has_last else torch.zeros_like(both)
-            dist.all_reduce(both, group=self.dims.mesh("pp").get_group())
-        return (both[0] / both[1]).item(), int(both[1].item())
-
     def moe_metrics(self) -> dict:
         """This step's tokens per expert and max/mean imbalance of every MoE layer (all stages)."""
-        load = self.step.expert_load
         if getattr(self.model_args, "moe", None) is None:  # dense model: nothing to gather
             return {}
-        if self.step.pipeline is not None:
-            stages: list[dict] = [{} for _ in range(self.dims.pp)]
-            dist.all_gather_object(stages, load, group=self.dims.mesh("pp").get_group())
-            load = {k: v for stage in stages for k, v in stage.items()}
+        load = self.train_step.expert_load_of_all_stages()
         if not load:
             return {}
-        load = dict(sorted(load.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0))
         return {"moe_load": load, "moe_imbalance": {k: round(v, 4) for k, v in imbalance(load).items()}}
 
     # ------------------------------------------------------------------ validation
 
-    @torch.no_grad()
     def validate(self) -> None:
         """Mean loss over the validation split (validation.steps rounds), logged with val_loss."""
-        local_batch, step = self.cfg.training.local_batch_size, self.step
-        for part in self.model_parts:
-            part.eval()
-        total = torch.zeros((), dtype=torch.float64, device=self.info.device)
-        count = torch.zeros((), dtype=torch.float64, device=self.info.device)
-        for inputs, labels in self.data.val_batches:
-            inputs, labels = step.shard_sequence(inputs, labels)
-            inputs, labels = inputs.to(self.info.device), labels.to(self.info.device)
-            with loss_context(step.loss_parallel):
-                if step.pipeline is not None:  # a whole step's rows: the schedule's microbatches
-                    total += step.pipeline.run(inputs, labels, 1.0, train=False).double()
-                else:
-                    for x, y in zip(inputs.split(local_batch), labels.split(local_batch), strict=True):
-                        total += local_tensor(step.loss_fn(self.model_parts[0](x), y)).double()
-            count += (labels != IGNORE_INDEX).sum()
-        for part in self.model_parts:
-            part.train()
-        tokens = int(count.item()) * self.dims.dp * self.dims.cp
-        self.metrics.log_validation(self.state.step, self.global_mean(total, count)[0], tokens)
+        loss, tokens = self.train_step.evaluate(self.data.val_batches, self.cfg.training.local_batch_size)
+        self.metrics.log_validation(self.step, loss, tokens)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -435,30 +384,33 @@ class Trainer:
         from components.checkpoint.hf_folder import kiln_state_from_hf
 
         full = kiln_state_from_hf(folder, self.spec.state_dict_adapter(self.model_args))
-        check_model_matches(ModelState(self.model_parts).state_dict(),
+        check_model_matches(ModelState(self.model.parts).state_dict(),
                             {f"model.{k}": tuple(v.shape) for k, v in full.items()}, folder,
                             partial=self.dims.pp > 1)
-        for part in self.model_parts:
+        for part in self.model.parts:
             set_model_state_dict(part, full, options=StateDictOptions(full_state_dict=True, strict=False))
         self.say(f"started from the Hugging Face weights in {folder}")
 
     def save_checkpoint(self, last: bool) -> None:
-        self.checkpoint.save(self.state.step, last=last)
-        self.last_checkpoint = self.checkpoint.folder / f"step-{self.state.step}"
+        self.checkpoint.save(self.step, last=last)
+        self.last_checkpoint = self.checkpoint.folder / f"step-{self.step}"
         blocked = self.checkpoint.last_save_seconds["blocked"]
-        self.say(f"checkpoint {self.checkpoint.folder}/step-{self.state.step} "
+        self.say(f"checkpoint {self.checkpoint.folder}/step-{self.step} "
                  f"({'queued' if self.checkpoint.pending else 'saved'}; training blocked {blocked:.2f} s)")
 
     def create_seed_checkpoint(self) -> None:
         """Write the initial weights as step-0 (model only) and stop: each rank writes its shards, so
         any world size makes it and no rank ever holds the whole model."""
         self.checkpoint.save(0, model_only=True)
-        peak = torch.tensor(memory_gib(self.info.device), device=self.info.device)
-        if dist.is_initialized():
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        self.say(f"seed checkpoint written to {self.checkpoint.folder}/step-0 ({self.num_params / 1e6:,.0f}M "
-                 f"parameters; peak memory {peak.item():.2f} GiB on the fullest of "
-                 f"{self.info.world_size} rank(s))")
+        peak = fullest_rank_memory_gib(self.info.device)
+        self.say(f"seed checkpoint written to {self.checkpoint.folder}/step-0 "
+                 f"({self.model.num_params / 1e6:,.0f}M parameters; peak memory {peak:.2f} GiB on the "
+                 f"fullest of {self.info.world_size} rank(s))")
+
+    @property
+    def step(self) -> int:
+        """The number of the last step taken (the train state's, saved in every checkpoint)."""
+        return self.state.step
 
     def say(self, line: str) -> None:
         """A console line from the main rank."""

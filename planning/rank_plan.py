@@ -3,7 +3,7 @@ process group, measured as it goes.
 
 The model is built on the meta device and parallelized by the family's parallelize_fn (real
 DTensors, real FSDP) outside fake mode; inside FakeTensorMode it is allocated (to_empty), and two
-training steps run through training_step.TrainStep — microbatches or the real pipeline schedule,
+training steps run through training.step.TrainStep — microbatches or the real pipeline schedule,
 the grad-norm clip, the real optimizer. The first step creates the optimizer state; the second is
 the steady state the plan reports (its peak and its collectives).
 """
@@ -22,8 +22,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from components.config.parallel_options import ParallelOptions
 from components.config.sections import JobConfig
 from components.observability.memory_report import state_bytes
-from components.optim.lr_schedule import build_lr_scheduler
-from components.optim.optimizer import build_optimizer
 from components.runtime.errors import KilnError
 from components.runtime.tensor_utils import local_tensor
 from models import ModelSpec
@@ -32,8 +30,15 @@ from planning.balanced_routing import balance_routing
 from planning.fake_world import fake_world, mesh_group_names
 from planning.pipeline_bubble import schedule_bubble
 from planning.step_tracker import StepTracker
-from training.assembly import ModelParts, build_layout, build_model_parts
-from training.step import Batch, StepSetup, TrainStep
+from training.assembly import (
+    ModelParts,
+    OptimizerFactory,
+    build_layout,
+    build_model_parts,
+    build_optimizers,
+    build_train_step,
+)
+from training.step import Batch, TrainStep
 
 
 @dataclass
@@ -59,15 +64,16 @@ class RankPlan:
 
 
 class LocalOptimizer:
-    """The run's optimizer (built by components.optim.build_optimizer) over the local pieces of the
-    parameters: the same state and temporaries as over the DTensors, without DTensor's sharding
-    propagation for every foreach/fused kernel (most of a fake step's time). The gradients are
-    handed to the local pieces just before each step."""
+    """The run's optimizer (built by training.assembly.build_optimizers, with the trainer's weight
+    decay groups) over the local pieces of the parameters: the same state and temporaries as over the
+    DTensors, without DTensor's sharding propagation for every foreach/fused kernel (most of a fake
+    step's time). The gradients are handed to the local pieces just before each step."""
 
-    def __init__(self, part: nn.Module, build: Any) -> None:
-        self.pairs = [(p, local_tensor(p).detach().requires_grad_(p.requires_grad))
-                      for p in part.parameters()]
-        self.inner = build([(str(i), local) for i, (_, local) in enumerate(self.pairs)])
+    def __init__(self, part: nn.Module, make: OptimizerFactory) -> None:
+        named = [(name, p, local_tensor(p).detach().requires_grad_(p.requires_grad))
+                 for name, p in part.named_parameters()]
+        self.pairs = [(p, local) for _, p, local in named]
+        self.inner = make([(name, local) for name, _, local in named])
 
     @property
     def state(self) -> dict:
@@ -167,9 +173,8 @@ def allocate_fake(module: nn.Module) -> None:
 def fsdp_lazy_init(part: nn.Module) -> None:
     """FSDP's lazy initialization, which a run does in its first forward, done before the optimizer
     exists. It pads an uneven shard again unless the storage is the one it padded, which it tells by
-    data_ptr — 0 for every fake tensor, so on fake tensors it always does. Inside the measured step
-    that copy came on top of the shard the optimizer held: ranks with padded shards were planned
-    them twice. Done here, the copy replaces the shard."""
+    data_ptr — 0 for every fake tensor, so on fake tensors it always does. Done before the optimizer
+    holds the shard, the copy replaces it instead of counting beside it."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     if isinstance(part, FSDPModule):
@@ -268,21 +273,15 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
         fsdp_lazy_init(part)
     tracker.category = "activations and temporaries"
     moe = balance_routing(parts)
-    o, s = cfg.optimizer, cfg.lr_scheduler
-    optimizers = [LocalOptimizer(part, lambda named: build_optimizer(
-        named, o.name, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, o.implementation, device_type))
-        for part in parts] if with_optimizer else []
-    schedulers = [build_lr_scheduler(opt.inner, warmup_steps=s.warmup_steps, total_steps=cfg.training.steps,
-                                     decay_ratio=s.decay_ratio, decay_type=s.decay_type,
-                                     min_lr_factor=s.min_lr_factor) for opt in optimizers]
+    optimizers, schedulers = (build_optimizers(cfg, built, device_type, wrap=LocalOptimizer) if with_optimizer
+                              else ([], []))
     grads: dict[str, int] = {}
     _watch_optimizers(optimizers, parts, tracker, grads)
     tracker.gradient_storages = lambda: [local_tensor(p.grad).untyped_storage() for part in parts
                                          for p in part.parameters() if p.grad is not None]
-    step = PlannedStep(parts, optimizers, schedulers, StepSetup(
-        dims, dataclasses.replace(options, device_type="cpu"), torch.device("cpu"), cfg.training.max_norm,
-        global_batch, built.num_stages, tuple(built.stage_ids), tuple(tuple(n) for n in built.tied_names)),
-        stage_shapes=shapes)
+    cpu_options = dataclasses.replace(options, device_type="cpu")  # the fake tensors live on cpu
+    step = build_train_step(cfg, built, optimizers, schedulers, dims, cpu_options, torch.device("cpu"),
+                            global_batch, step_class=PlannedStep, stage_shapes=shapes)
     step.tracker = tracker
     for opt in optimizers:
         opt.make_state()

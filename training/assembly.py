@@ -1,5 +1,6 @@
-"""What a run is built from, shared by the trainer (train.py) and the planner (scripts/plan.py): the
-model family, the checked layout, and this rank's model parts on the meta device, parallelized.
+"""What a run is built from, written once for the trainer (train.py) and the planner (scripts/plan.py):
+the model family, the checked layout, this rank's model parts on the meta device (parallelized), their
+optimizers and LR schedules, and the training step over them.
 
 The planner runs exactly these under a fake process group, so a layout the trainer refuses is
 refused there with the same message, and the sizes it measures are the trainer's.
@@ -14,6 +15,8 @@ from torch import nn
 
 from components.config.parallel_options import ParallelOptions
 from components.config.sections import JobConfig
+from components.optim.lr_schedule import build_lr_scheduler
+from components.optim.optimizer import build_optimizer, embedding_names
 from components.runtime.custom_import import import_custom
 from components.runtime.errors import KilnError
 from models import ModelSpec, UnknownModelError, get_model_args, get_model_spec
@@ -23,6 +26,7 @@ from parallelisms.layout_checks import ModelShape, stage_layers
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline import stage_ids
 from parallelisms.tied_weights import shared_parameter_names
+from training.step import StepSetup, TrainStep
 
 
 def load_model_family(cfg: JobConfig) -> tuple[ModelSpec, Any]:
@@ -101,3 +105,41 @@ def build_model_parts(spec: ModelSpec, args: Any, dims: ParallelDims, options: P
         if options.gloo_accelerations:
             accelerations += [a for a in apply_gloo_accelerations(part) if a not in accelerations]
     return ModelParts(parts, ids, num_stages, num_params, tied, accelerations)
+
+
+OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
+
+
+def build_optimizers(cfg: JobConfig, model: ModelParts, device_type: str,
+                     wrap: Callable[[nn.Module, OptimizerFactory], Any] | None = None
+                     ) -> tuple[list[Any], list[torch.optim.lr_scheduler.LRScheduler]]:
+    """One optimizer and LR schedule per model part (pipeline stages keep separate state dicts).
+    `wrap(part, make)` lets the planner build each optimizer over its own copies of the parameters;
+    it must return an object whose `.inner` is what `make` built."""
+    o, s = cfg.optimizer, cfg.lr_scheduler
+    optimizers, inner = [], []
+    for part in model.parts:
+        embeddings = embedding_names(part, model.tied_names)
+
+        def make(named: list[tuple[str, nn.Parameter]], embeddings: set[str] = embeddings
+                 ) -> torch.optim.Optimizer:
+            return build_optimizer(named, o.name, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay,
+                                   o.implementation, device_type, exclude=o.weight_decay_exclude,
+                                   embeddings=embeddings)
+
+        built = wrap(part, make) if wrap is not None else make(list(part.named_parameters()))
+        optimizers.append(built)
+        inner.append(built.inner if wrap is not None else built)
+    schedulers = [build_lr_scheduler(opt, warmup_steps=s.warmup_steps, total_steps=cfg.training.steps,
+                                     decay_ratio=s.decay_ratio, decay_type=s.decay_type,
+                                     min_lr_factor=s.min_lr_factor) for opt in inner]
+    return optimizers, schedulers
+
+
+def build_train_step(cfg: JobConfig, model: ModelParts, optimizers: list[Any], schedulers: list[Any],
+                     dims: ParallelDims, options: ParallelOptions, device: torch.device, global_batch: int,
+                     after_optimizer_step: Callable[[], None] | None = None, *,
+                     step_class: type[TrainStep] = TrainStep, stage_shapes: Any = None) -> TrainStep:
+    """The training step over this rank's parts (the planner passes its measuring subclass)."""
+    setup = StepSetup(dims, options, device, cfg.training.max_norm, global_batch, after_optimizer_step)
+    return step_class(model, optimizers, schedulers, setup, stage_shapes=stage_shapes)

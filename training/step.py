@@ -1,18 +1,21 @@
 """One training step of this rank — microbatches or pipeline schedule, clip, optimizer — shared by
-the trainer (train.py) and the planner, which runs it on fake tensors to measure a rank.
+the trainer (train.py) and the planner, which runs it on fake tensors to measure a rank; and the
+loss, the evaluation forward validation runs, and the means over the ranks that hold a step's tokens.
 
-Built from this rank's materialised model parts by build_train_step(); what depends on the
+Built from this rank's model parts by training.assembly.build_train_step(); what depends on the
 values of the data (how many tokens a step has, how many reached each expert) sits in two
 methods the planner replaces, `count_tokens` and `balance_experts`.
 """
 
-from collections.abc import Callable
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from components.config.parallel_options import ParallelOptions
 from components.optim.expert_balance import balance_experts, moe_layers, reset_expert_load, set_aux_loss_scale
@@ -26,7 +29,18 @@ from parallelisms.pipeline import PipelineRunner, StageShapes, build_stages
 from parallelisms.tensor_parallel import loss_context
 from parallelisms.tied_weights import TiedWeightSync
 
+if TYPE_CHECKING:
+    from training.assembly import ModelParts
+
 Batch = list[tuple[torch.Tensor, torch.Tensor]]  # a step's microbatches of (inputs, labels)
+IGNORE_INDEX = -100  # a label that counts nothing (no loss, no token)
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of per-token cross-entropy (fp32 logits; labels equal to IGNORE_INDEX count nothing), so
+    the step can normalise by the global token count."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1),
+                           reduction="sum", ignore_index=IGNORE_INDEX)
 
 
 @dataclass
@@ -38,9 +52,6 @@ class StepSetup:
     device: torch.device
     max_norm: float
     global_batch: int
-    num_stages: int = 1
-    stage_ids: tuple[int, ...] = (0,)
-    tied_names: tuple[tuple[str, ...], ...] = ()
     after_optimizer_step: Callable[[], None] | None = None  # the model converters' hook (float8 scales)
 
 
@@ -48,9 +59,9 @@ class TrainStep:
     """Forward/backward over a step's microbatches (or the pipeline schedule), the distributed
     grad-norm clip, the optimizer and LR step; call it with the step's microbatches."""
 
-    def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], schedulers: list,
+    def __init__(self, model: ModelParts, optimizers: list[torch.optim.Optimizer], schedulers: list,
                  setup: StepSetup, stage_shapes: StageShapes | None = None) -> None:
-        dims, options = setup.dims, setup.options
+        dims, options, parts = setup.dims, setup.options, model.parts
         self.parts, self.optimizers, self.schedulers = parts, optimizers, schedulers
         self.dims, self.device, self.max_norm = dims, setup.device, setup.max_norm
         self.after_optimizer_step = setup.after_optimizer_step
@@ -69,19 +80,19 @@ class TrainStep:
         # MoE layers (if any): their expert load moves the expert bias after each step.
         self.moe_layers = moe_layers(parts)
         self.expert_load: dict[str, list[int]] = {}
-        self.pipeline = (self._build_pipeline(setup, stage_shapes) if dims.pp > 1 else None)
+        self.pipeline = (self._build_pipeline(model, setup, stage_shapes) if dims.pp > 1 else None)
         # A tied embedding cut into two stages' copies stays one weight (parallelisms/tied_weights.py).
-        tied = [list(names) for names in setup.tied_names]
-        self.tied = (TiedWeightSync(parts, list(setup.stage_ids), tied, dims, options.pp_schedule,
-                                    setup.num_stages) if tied and dims.pp > 1 else None)
+        self.tied = (TiedWeightSync(parts, model.stage_ids, model.tied_names, dims, options.pp_schedule,
+                                    model.num_stages) if model.tied_names and dims.pp > 1 else None)
 
-    def _build_pipeline(self, setup: StepSetup, shapes: StageShapes | None) -> PipelineRunner:
+    def _build_pipeline(self, model: ModelParts, setup: StepSetup, shapes: StageShapes | None
+                        ) -> PipelineRunner:
         """The schedule over this rank's stages; a step's rows per rank split into microbatches."""
         n_microbatches = setup.global_batch // self.dims.dp // setup.options.pp_microbatch_size
-        stages = build_stages(self.parts, list(setup.stage_ids), setup.num_stages, self.device,
+        stages = build_stages(self.parts, model.stage_ids, model.num_stages, self.device,
                               self.dims.mesh("pp"), lambda: reset_expert_load(self.moe_layers), shapes)
         return PipelineRunner(setup.options.pp_schedule, stages, n_microbatches, self.loss_fn,
-                              setup.num_stages)
+                              model.num_stages)
 
     def __call__(self, microbatches: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns this rank's summed loss and token count, and the global grad norm."""
@@ -164,11 +175,51 @@ class TrainStep:
             return inputs, labels
         return shard_sequence(inputs, self.cp_positions), shard_sequence(labels, self.cp_positions)
 
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], local_batch: int
+                 ) -> tuple[float, int]:
+        """The mean loss over evaluation batches (each a whole step's rows of this rank, cut into
+        local_batch rows per forward, or the pipeline's microbatches) and the tokens it averaged."""
+        for part in self.parts:
+            part.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = torch.zeros((), dtype=torch.float64, device=self.device)
+        for inputs, labels in batches:
+            inputs, labels = self.shard_sequence(inputs, labels)
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            with loss_context(self.loss_parallel):
+                if self.pipeline is not None:
+                    total += self.pipeline.run(inputs, labels, 1.0, train=False).double()
+                else:
+                    for x, y in zip(inputs.split(local_batch), labels.split(local_batch), strict=True):
+                        total += local_tensor(self.loss_fn(self.parts[0](x), y)).double()
+            count += (labels != IGNORE_INDEX).sum()
+        for part in self.parts:
+            part.train()
+        return self.global_mean(total, count)
 
-IGNORE_INDEX = -100
+    def global_mean(self, total: torch.Tensor, count: torch.Tensor) -> tuple[float, int]:
+        """(sum(total) / sum(count), sum(count)) over the data- and context-parallel ranks (and from
+        the last pipeline stage, which alone has the loss): the mean and the tokens it averaged."""
+        both = torch.stack([total.double(), count.double()])
+        if self.loss_group is not None:
+            dist.all_reduce(both, group=self.loss_group)
+        if self.pipeline is not None:
+            both = both if self.pipeline.has_last else torch.zeros_like(both)
+            dist.all_reduce(both, group=self.dims.mesh("pp").get_group())
+        return (both[0] / both[1]).item(), int(both[1].item())
 
+    def expert_load_of_all_stages(self) -> dict[str, list[int]]:
+        """This step's tokens per expert of every MoE layer, gathered along the pipeline; every rank
+        must call it (under PP it is a collective)."""
+        load = self.expert_load
+        if self.pipeline is not None:
+            stages: list[dict] = [{} for _ in range(self.dims.pp)]
+            dist.all_gather_object(stages, load, group=self.dims.mesh("pp").get_group())
+            load = {k: v for stage in stages for k, v in stage.items()}
+        return dict(sorted(load.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0))
 
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of per-token cross-entropy (fp32 logits; labels equal to IGNORE_INDEX count nothing)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1),
-                           reduction="sum", ignore_index=IGNORE_INDEX)
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Microbatches per step of the pipeline schedule (0 without PP)."""
+        return self.pipeline.n_microbatches if self.pipeline is not None else 0

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from components.observability.peak_flops import PeakFlops, raise_peak
 from components.observability.wandb_run import WandbOptions, start_wandb_run
@@ -21,6 +22,14 @@ def memory_gib(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kib * (1 if platform.system() != "Darwin" else 1 / 1024) / 2**20
+
+
+def fullest_rank_memory_gib(device: torch.device) -> float:
+    """memory_gib of the fullest rank (every rank must call it: a collective when distributed)."""
+    peak = torch.tensor(memory_gib(device), device=device)
+    if dist.is_initialized():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return peak.item()
 
 
 def last_time(path: Path) -> float:

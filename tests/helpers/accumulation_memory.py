@@ -44,14 +44,14 @@ def live_tensor_bytes() -> int:
 
 
 def first_microbatch_growth(trainer: Trainer, kiln: bool) -> int:
-    model = trainer.model_parts[0]
+    model = trainer.model.parts[0]
     (x, y), *_ = trainer.data.loader.batch(1)
     before = live_tensor_bytes()
     if kiln:
         set_gradient_sync(model, last_microbatch=False)
     else:
         model.set_requires_gradient_sync(False)  # FSDP2's no-sync: unsharded gradients accumulate
-    loss = trainer.step.loss_fn(model(x), y)
+    loss = trainer.train_step.loss_fn(model(x), y)
     loss.backward()
     del loss
     grown = live_tensor_bytes() - before
@@ -65,7 +65,7 @@ def main() -> None:
     cfg = load_config(sys.argv[1:])
     info = init_distributed(cfg.comm.timeout_seconds)
     trainer = Trainer(cfg, info)
-    full_grads = sum(p.numel() * 4 for p in trainer.model_parts[0].parameters())  # fp32, unsharded
+    full_grads = sum(p.numel() * 4 for p in trainer.model.parts[0].parameters())  # fp32, unsharded
     for mode, kiln in (("kiln", True), ("no_sync", False)):
         grown = first_microbatch_growth(trainer, kiln)
         if info.is_main:

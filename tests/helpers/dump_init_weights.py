@@ -22,7 +22,7 @@ def main() -> None:
     info = init_distributed(cfg.comm.timeout_seconds)
     trainer = Trainer(cfg, info)
     full = get_model_state_dict(
-        trainer.model_parts[0], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        trainer.model.parts[0], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if info.is_main:
         torch.save({k: v.clone() for k, v in full.items()}, out)
     exit_cleanly(0, trainer.dims.release)

@@ -88,7 +88,7 @@ def main() -> None:
     except ImportError:  # torchao is an extra: without it no linear is float8
         Float8Linear = ()  # noqa: N806
 
-    model, world = trainer.model_parts[0], info.world_size
+    model, world = trainer.model.parts[0], info.world_size
     modules = {}
     fsdp_modules = {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
     tail = [fsdp_modules.pop(name) for name in ("norm", "output") if name in fsdp_modules]
@@ -108,7 +108,7 @@ def main() -> None:
         modules[name] = record
     losses = []
     for step in range(1, STEPS + 1):
-        loss_sum, tokens, _ = trainer.step(trainer.data.loader.batch(step))
+        loss_sum, tokens, _ = trainer.train_step(trainer.data.loader.batch(step))
         losses.append((loss_sum / tokens).item())
     if info.is_main:
         Path(out).write_text(json.dumps({"losses": losses, "modules": modules}, indent=1))

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 tests/helpers/init_memory.py OUT.json --config ... [overrides]
 
-Builds this rank's model parts on the meta device as the trainer does (builders.build_layout and
+Builds this rank's model parts on the meta device as the trainer does (training.assembly: build_layout and
 build_model_parts, Kiln's parallelisms), then runs parallelisms/materialize.materialize_and_init
 under torch.profiler's allocator recording. Rank 0 writes OUT.json, a list with one entry a rank:
 
