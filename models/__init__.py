@@ -7,6 +7,7 @@ down, and checked at registration, in models/protocol.py.
 """
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from components.config.loading import did_you_mean
 from components.runtime.custom_import import import_custom
 from models.protocol import check_contract
 
@@ -47,7 +49,8 @@ def register_model_spec(spec: ModelSpec) -> None:
     (registering another spec under a taken name is an error)."""
     if spec.name in _REGISTRY and _REGISTRY[spec.name] is not spec:
         raise ValueError(f"a model named {spec.name!r} is already registered")
-    check_contract(spec.name, spec.flavors, spec.model_cls)
+    check_contract(spec.name, spec.flavors, spec.model_cls, parallelize_fn=spec.parallelize_fn,
+                   pipeline_fn=spec.pipeline_fn)
     _REGISTRY[spec.name] = spec
 
 
@@ -56,6 +59,7 @@ def get_model_spec(name: str) -> ModelSpec:
     if name not in _REGISTRY:
         raise UnknownModelError(
             f"unknown model.name {name!r}; registered models: {', '.join(sorted(_REGISTRY))}"
+            + did_you_mean(name, list(_REGISTRY))
         )
     return _REGISTRY[name]
 
@@ -64,8 +68,9 @@ def get_model_args(spec: ModelSpec, flavor: str) -> Any:
     """A fresh copy of the args of `flavor`; an unknown flavor lists the model's flavors."""
     if flavor not in spec.flavors:
         raise UnknownModelError(
-            f"unknown model.flavor {flavor!r} for model {spec.name!r}; "
-            f"flavors: {', '.join(spec.flavors)}"
+            # Only a different case is corrected: a near spelling ("7B" → "70B") is another size.
+            f"unknown model.flavor {flavor!r} for model {spec.name!r}; flavors: {', '.join(spec.flavors)}"
+            + did_you_mean(flavor, list(spec.flavors), spelling=False)
         )
     return copy.deepcopy(spec.flavors[flavor])
 
@@ -83,6 +88,21 @@ def build_plain_model(name: str, flavor: str, custom_import: str = "", device: s
     model.to_empty(device=device)
     model.init_weights(buffer_device=device)  # re-ties shared weights and fills the buffers
     return model, spec, args
+
+
+def untied_flavors(args: Any, count: int = 2) -> list[str]:
+    """Up to `count` flavors of the family whose flavor `args` is that keep the output head apart
+    from the embedding, nearest in size first: what to suggest where tied embeddings cannot run."""
+    family = next((spec for spec in _REGISTRY.values() if any(a == args for a in spec.flavors.values())),
+                  None)
+    if family is None:
+        return []
+
+    def size(a: Any) -> float:
+        return a.n_layers * a.dim**2
+
+    untied = [name for name, a in family.flavors.items() if not getattr(a, "tie_embeddings", False)]
+    return sorted(untied, key=lambda name: abs(math.log(size(family.flavors[name]) / size(args))))[:count]
 
 
 def registered_models() -> list[str]:

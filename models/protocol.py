@@ -2,7 +2,9 @@
 
 A model family is a ModelSpec (models/__init__.py) whose `model_cls(args)` builds a plain
 `nn.Module` on any device, the meta device included. `register_model_spec` builds the smallest
-flavor on the meta device and refuses a model that breaks the contract, naming what it lacks.
+flavor on the meta device and refuses a model that breaks the contract, naming what it lacks; it
+also checks that `parallelize_fn(model, dims, options)` and `pipeline_fn(model, layers, is_first,
+is_last)` take those arguments, and that pipeline_fn leaves a middle stage nothing but blocks.
 
 The args (one dataclass per flavor) must have
     dim, n_layers, n_heads, kv_heads, vocab_size, max_seq_len   (kv_heads may be a property)
@@ -46,6 +48,8 @@ cuts any model that follows this contract), and may add layout checks of its own
 ModelSpec.check_fn(args, dims) → problems.
 """
 
+import inspect
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -55,6 +59,7 @@ from components.runtime.errors import KilnError
 
 ARGS_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "max_seq_len")
 MODEL_METHODS = ("init_weights", "init_buffers")
+ENDS = ("tok_embeddings", "norm", "output")  # the names pipeline parallel cuts a model's ends by
 
 
 class ModelContractError(KilnError):
@@ -91,14 +96,90 @@ def model_problems(model: nn.Module) -> list[str]:
     return out
 
 
-def check_contract(name: str, flavors: dict[str, Any], model_cls: Any) -> None:
-    """Raise ModelContractError naming every part of the contract that model `name` lacks: the args
-    of every flavor are checked, and the model is built on the meta device from the smallest."""
-    problems = [f"flavor {flavor!r}: {p}" for flavor, args in flavors.items() for p in args_problems(args)]
-    if not problems and flavors:
+def _described(fn: Callable[..., Any]) -> str:
+    """`name(parameter names)` of a function, as its author wrote it (annotations left out)."""
+    name = (getattr(fn, "__qualname__", None) or type(fn).__name__).split("<locals>.")[-1]
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return f"`{name}`"
+    stars = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    return f"`{name}({', '.join(stars.get(p.kind, '') + p.name for p in parameters)})`"
+
+
+def _short(fn: Callable[..., Any]) -> str:
+    """The bare name to suggest in a `def` line."""
+    name = getattr(fn, "__name__", "")
+    return name if name.isidentifier() else "parallelize"
+
+
+def _takes(fn: Callable[..., Any], count: int) -> bool:
+    """Whether fn can be called with `count` positional arguments (True when Python cannot tell)."""
+    try:
+        inspect.signature(fn).bind(*range(count))
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (some builtins): trusted
+        return True
+    return True
+
+
+def hook_problems(parallelize_fn: Callable[..., Any] | None,
+                  pipeline_fn: Callable[..., Any] | None = None) -> list[str]:
+    """What the family's functions lack of the way the trainer calls them (training/assembly.py):
+    a wrong arity found here is one line at registration, not a TypeError deep in the build."""
+    out = []
+    if parallelize_fn is not None and not _takes(parallelize_fn, 3):
+        old = (" (the 4-argument form (model, world_mesh, parallel_dims, job_config) is gone: the meshes "
+               "are in dims, the settings in options)"
+               if _takes(parallelize_fn, 4) else "")
+        out.append(f"parallelize_fn {_described(parallelize_fn)} cannot be called as "
+                   f"parallelize_fn(model, dims, options){old}; define it as `def {_short(parallelize_fn)}"
+                   "(model, dims, options)` with dims a ParallelDims (dims.mesh('tp') ...) and options a "
+                   "ParallelOptions, like parallelize_llama in models/llama3/parallelize.py")
+    if pipeline_fn is not None and not _takes(pipeline_fn, 4):
+        out.append(f"pipeline_fn {_described(pipeline_fn)} cannot be called as pipeline_fn(model, layers, "
+                   "is_first, is_last); define it so, or use parallelisms.pipeline.make_stage_model")
+    return out
+
+
+def pipeline_problems(model: nn.Module, pipeline_fn: Callable[..., Any]) -> list[str]:
+    """Whether pipeline_fn cuts this (meta-device) model's ends off a stage that does not own them: a
+    middle stage must hold blocks only. A model whose ends have other names than ENDS keeps them on
+    every stage, and fails only under pipeline parallel, deep in the schedule."""
+    try:
+        stage = pipeline_fn(model, [0], False, False)
+    except Exception as e:  # the registration line names it instead of a traceback under PP
+        return [f"pipeline_fn {_described(pipeline_fn)} fails on the model, cutting a middle stage that "
+                f"keeps layer 0: {type(e).__name__}: {e}"]
+    left = [name for name, _ in stage.named_parameters() if not name.startswith("layers.")]
+    if not left:
+        return []
+    missing = [f"`{end}`" for end in ENDS if not isinstance(getattr(model, end, None), nn.Module)]
+    lacks = f"the model has no {', '.join(missing)}, so " if missing else ""
+    shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+    return [f"pipeline_fn {_described(pipeline_fn)} cuts a model's ends by name: {lacks}a middle pipeline "
+            f"stage still holds {shown}; name the token embedding `tok_embeddings`, the final norm `norm` "
+            "and the output head `output` (every parameter outside `layers` in one of them, each end "
+            "skipped in forward when it is None), or register the model without pipeline_fn"]
+
+
+def check_contract(name: str, flavors: dict[str, Any], model_cls: Any, *,
+                   parallelize_fn: Callable[..., Any] | None = None,
+                   pipeline_fn: Callable[..., Any] | None = None) -> None:
+    """Raise ModelContractError naming every part of the contract that model `name` lacks: the
+    arity of its parallelize_fn and pipeline_fn, the args of every flavor, and the model built on the
+    meta device from the smallest flavor (cut by pipeline_fn, when the family has one)."""
+    problems = hook_problems(parallelize_fn, pipeline_fn)
+    bad_args = [f"flavor {flavor!r}: {p}" for flavor, args in flavors.items() for p in args_problems(args)]
+    problems += bad_args
+    if not bad_args and flavors:
         smallest = min(flavors.values(), key=lambda a: a.n_layers * a.dim)
         with torch.device("meta"):
-            problems = model_problems(model_cls(smallest))
+            model = model_cls(smallest)
+            problems += model_problems(model)
+            if not problems and pipeline_fn is not None:
+                problems += pipeline_problems(model, pipeline_fn)
     if problems:
         raise ModelContractError(f"model {name!r} does not meet the model contract (models/protocol.py): "
                                  + "; ".join(problems))

@@ -27,15 +27,19 @@ class ModelShape:
     vocab_size: int | None = None  # None: not checked
     max_seq_len: int | None = None  # None: not checked
     tied_embeddings: bool = False
+    untied_flavors: tuple[str, ...] = ()  # flavors of the same family without tied embeddings
     num_experts: int | None = None  # None: a dense model
     can_pipeline: bool = True  # the model family knows how to cut itself into stages
 
     @classmethod
     def from_args(cls, args: Any, can_pipeline: bool) -> ModelShape:
         """Read from a flavor's args: the contract's fields, tie_embeddings and moe if present."""
+        from models import untied_flavors  # models import the parallelisms: imported when called
+
+        tied = bool(getattr(args, "tie_embeddings", False))
         return cls(n_heads=args.n_heads, n_kv_heads=args.kv_heads, n_layers=args.n_layers,
-                   vocab_size=args.vocab_size, max_seq_len=args.max_seq_len,
-                   tied_embeddings=bool(getattr(args, "tie_embeddings", False)),
+                   vocab_size=args.vocab_size, max_seq_len=args.max_seq_len, tied_embeddings=tied,
+                   untied_flavors=tuple(untied_flavors(args)) if tied else (),
                    num_experts=getattr(getattr(args, "moe", None), "num_experts", None),
                    can_pipeline=can_pipeline)
 
@@ -115,8 +119,11 @@ def _tp_problems(dims: ParallelDims, model: ModelShape, options: ParallelOptions
                    + (f" × context_parallel_degree {cp}" if cp > 1 else "")
                    + " (sequence parallel shards each rank's sequence)")
     if model.tied_embeddings:
+        flavor = (f"--model.flavor {' or '.join(model.untied_flavors)}" if model.untied_flavors
+                  else "a flavor whose args set tie_embeddings=False")
         out.append("tensor parallel does not support tied embeddings (the embedding is split by rows, "
-                   "the output head by columns)")
+                   f"the output head by columns): use a flavor with its own output head ({flavor}), "
+                   "or shard the tied model with FSDP alone (--parallelism.tensor_parallel_degree 1)")
     return out
 
 

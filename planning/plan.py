@@ -3,6 +3,7 @@ fake tensors, each against a device's memory, with the step time a given peak an
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import multiprocessing
@@ -17,6 +18,7 @@ import torch
 
 from components.config.parallel_options import ParallelOptions
 from components.config.sections import JobConfig
+from components.runtime.errors import KilnError
 from models import ModelSpec
 from planning.rank_plan import RankPlan, plan_rank
 from training.assembly import build_layout, load_model_family
@@ -44,6 +46,18 @@ DEVICES = {
 
 
 @dataclass
+class Suggestion:
+    """One change to a layout that does not fit, planned: the flags to pass, what they change, and
+    the peak of its fullest planned rank against the device."""
+
+    flags: str
+    why: str
+    peak: int
+    fits: bool
+    spare_gib: float
+
+
+@dataclass
 class Plan:
     """A run's plan: what it is, its layout, each planned rank and the estimates."""
 
@@ -61,6 +75,18 @@ class Plan:
     flops_per_token: int
     ranks: list[RankPlan] = field(default_factory=list)
     seconds: float = 0.0  # wall time of planning
+    suggestions: list[Suggestion] = field(default_factory=list)  # single changes tried (suggest_changes)
+    suggestions_seconds: float = 0.0  # wall time of trying them
+
+    @property
+    def has_ac_peaks(self) -> bool:
+        """Whether every rank was planned in every activation-checkpoint mode."""
+        return bool(self.ranks) and all(r.ac_peaks for r in self.ranks)
+
+    @property
+    def fits(self) -> bool:
+        """Whether every planned rank fits on the device."""
+        return all(self.verdict(r)[0] for r in self.ranks)
 
     @property
     def tokens_per_step(self) -> int:
@@ -93,13 +119,35 @@ def default_ranks(world_size: int, pp: int) -> list[int]:
     return sorted({0, (pp - 1) * (world_size // pp)})
 
 
+@dataclass
+class _Pending:
+    """A plan whose layout is checked and whose rank tasks are still to run."""
+
+    plan: Plan
+    spec: ModelSpec
+    args: Any
+    dims: Any
+    options: ParallelOptions
+    ranks: list[int]
+    modes: list[str]
+    tasks: list[tuple]
+    start: float
+
+
 def make_plan(cfg: JobConfig, world_size: int, device: Device, *, device_type: str = "cuda",
               ranks: list[int] | None = None, mfu: float = 0.4, ac_modes: bool = True,
               workers: int | None = None) -> Plan:
     """Check the layout (every problem in one KilnError, as the trainer raises it), then plan each
     rank — with ac_modes, in the other activation-checkpoint modes too — `workers` processes at a
     time (default: one per core)."""
-    workers = workers or os.cpu_count() or 1
+    pending = _prepare(cfg, world_size, device, device_type=device_type, ranks=ranks, mfu=mfu,
+                       ac_modes=ac_modes)
+    return _finish(pending, _run_tasks(pending.tasks, workers or os.cpu_count() or 1))
+
+
+def _prepare(cfg: JobConfig, world_size: int, device: Device, *, device_type: str, ranks: list[int] | None,
+             mfu: float, ac_modes: bool) -> _Pending:
+    """The checked layout and the tasks that plan its ranks (a refused layout raises KilnError)."""
     start = time.perf_counter()
     spec, args = load_model_family(cfg)
     options = ParallelOptions.from_config(cfg, device_type)
@@ -119,8 +167,15 @@ def make_plan(cfg: JobConfig, world_size: int, device: Device, *, device_type: s
     modes = [options.ac_mode] + ([m for m in AC_MODES if m != options.ac_mode] if ac_modes else [])
     tasks = [(cfg, world_size, rank, device_type, mode, mode == options.ac_mode) for rank in ranks
              for mode in modes]
-    results = dict(zip([(t[2], t[4]) for t in tasks], _run_tasks(tasks, workers), strict=True))
-    for rank in ranks:
+    return _Pending(plan, spec, args, dims, options, ranks, modes, tasks, start)
+
+
+def _finish(pending: _Pending, done: list[RankPlan]) -> Plan:
+    """The plan, from the results of its tasks."""
+    plan, spec, args, dims, options = pending.plan, pending.spec, pending.args, pending.dims, pending.options
+    ac_modes = len(pending.modes) > 1
+    results = dict(zip([(t[2], t[4]) for t in pending.tasks], done, strict=True))
+    for rank in pending.ranks:
         planned = results[(rank, options.ac_mode)]
         if ac_modes:  # other modes: their forward/backward peak, plus the state a steady step holds
             state = sum(planned.optimizer.values())
@@ -129,10 +184,10 @@ def make_plan(cfg: JobConfig, world_size: int, device: Device, *, device_type: s
                                 for m in AC_MODES}
         plan.ranks.append(planned)
     num_stages = max(len(r.stages) for r in plan.ranks) * dims.pp
-    plan.layout = dims.describe(options, num_stages, microbatches if dims.pp > 1 else 0)
+    plan.layout = dims.describe(options, num_stages, plan.microbatches if dims.pp > 1 else 0)
     plan.num_params = count_parameters(spec, args)
-    plan.flops_per_token = spec.flops_per_token_fn(args, plan.num_params, t.seq_len)
-    plan.seconds = time.perf_counter() - start
+    plan.flops_per_token = spec.flops_per_token_fn(args, plan.num_params, plan.seq_len)
+    plan.seconds = time.perf_counter() - pending.start
     return plan
 
 
@@ -157,14 +212,16 @@ def _child(task: tuple, conn: Connection) -> None:
     os._exit(0)
 
 
-def _run_tasks(tasks: list[tuple], workers: int) -> list[RankPlan]:
+def _run_tasks(tasks: list[tuple], workers: int, *, keep_errors: bool = False) -> list[Any]:
     """The tasks side by side, `workers` at once, each in a fresh process: torch keeps process groups
     and DTensor's sharding caches per process, so a second fake world in one process finds stale
-    groups of the first ("Could not resolve the process group")."""
-    if len(tasks) == 1:
+    groups of the first ("Could not resolve the process group"). A lone task runs here unless
+    keep_errors, which also returns a task's exception in its place instead of raising it (a plan
+    already ran here then, and one failed candidate must not stop the others)."""
+    if len(tasks) == 1 and not keep_errors:
         return [_plan_task(tasks[0])]
     context = multiprocessing.get_context("spawn")
-    results: list[RankPlan | None] = [None] * len(tasks)
+    results: list[Any] = [None] * len(tasks)
     pending = list(enumerate(tasks))
     running: list[tuple[int, object, Connection]] = []
     while pending or running:
@@ -179,10 +236,10 @@ def _run_tasks(tasks: list[tuple], workers: int) -> list[RankPlan]:
         try:
             status, value = parent.recv()
         except EOFError:
-            raise RuntimeError(f"planning rank {tasks[index][2]} died (exit code {process.exitcode})"
-                               ) from None
+            status, value = "error", RuntimeError(f"planning rank {tasks[index][2]} died (exit code "
+                                                  f"{process.exitcode})")
         process.join()
-        if status == "error":
+        if status == "error" and not keep_errors:
             raise value
         results[index] = value
     return results
@@ -200,3 +257,120 @@ def count_parameters(spec: ModelSpec, args: Any) -> int:
     with torch.device("meta"):
         model = spec.model_cls(args)
     return sum(p.numel() for p in model.parameters())
+
+
+def suggest_changes(cfg: JobConfig, world_size: int, plan: Plan, *, device_type: str = "cuda",
+                    workers: int | None = None) -> list[Suggestion]:
+    """For a plan that does not fit: a few single changes — more ranks, a larger TP or PP degree
+    taken from FSDP's ranks, HSDP's replicas as FSDP shards, stronger activation checkpointing,
+    a smaller batch per rank — each planned as the trainer would run it (the AC modes' peaks are
+    reused from the plan when it has them), all side by side. Changes the layout checks refuse
+    are left out; those that fit come first, smallest peak first. Only the planned mode and the
+    default ranks are planned per change, which bounds the time to one plan's worth per core."""
+    start = time.perf_counter()
+    device, out, pending = plan.device, [], []
+    spec, args = load_model_family(cfg)
+    options = ParallelOptions.from_config(cfg, device_type)
+    dims, _ = build_layout(cfg, spec, args, world_size, options, device_type)
+    for flags, why, changed, world in _candidates(cfg, world_size, dims, plan, spec.pipeline_fn is not None):
+        try:
+            pending.append((flags, why, _prepare(changed, world, device, device_type=device_type, ranks=None,
+                                                 mfu=plan.mfu, ac_modes=False)))
+        except (KilnError, ValueError):
+            continue  # a layout the trainer would refuse is no suggestion
+    tasks = [task for _, _, p in pending for task in p.tasks]
+    results = _run_tasks(tasks, workers or os.cpu_count() or 1, keep_errors=True) if tasks else []
+    for flags, why, p in pending:
+        done, results = results[:len(p.tasks)], results[len(p.tasks):]
+        if any(isinstance(r, BaseException) for r in done):
+            continue  # it failed to plan (e.g. a model check at build time): not suggested
+        out.append(_suggestion(flags, why, max(r.peak for r in done), device))
+    if plan.has_ac_peaks:  # reused: planned with the plan itself
+        for mode in AC_MODES[AC_MODES.index(plan.ac_mode) + 1:]:
+            peak = max(r.ac_peaks[mode] for r in plan.ranks)
+            out.append(_suggestion(f"--activation_checkpoint.mode {mode}",
+                                   f"recompute {'every block' if mode == 'full' else 'part of each block'}"
+                                   " in backward instead of keeping its activations", peak, device))
+    plan.suggestions = sorted(out, key=lambda g: (not g.fits, g.peak))
+    plan.suggestions_seconds = time.perf_counter() - start
+    return plan.suggestions
+
+
+def _suggestion(flags: str, why: str, peak: int, device: Device) -> Suggestion:
+    spare = device.memory_gib - device.reserve_gib - peak / 2**30
+    return Suggestion(flags, why, peak, spare >= 0, spare)
+
+
+def _candidates(cfg: JobConfig, world_size: int, dims: Any, plan: Plan, can_pipeline: bool
+                ) -> list[tuple[str, str, JobConfig, int]]:
+    """(flags, what they change, the changed config, its world size) for each single change worth
+    planning; stronger AC is not among them (suggest_changes reuses the plan's AC peaks) unless the
+    plan has none."""
+    p, t = cfg.parallelism, cfg.training
+    out = []
+
+    def add(changes: dict[str, Any], why: str, world: int = world_size, dp: int = dims.dp) -> None:
+        changes = changes | _batch_for(cfg, dp, changes)
+        local = changes.get("training.local_batch_size", t.local_batch_size)
+        if changes.get("training.global_batch_size", t.global_batch_size) == -1 and dp != dims.dp:
+            why += f" (global batch_size -1: {local} × {dp} = {local * dp} rows per step)"
+        changed = copy.deepcopy(cfg)
+        for key, value in changes.items():
+            section, name = key.split(".")
+            setattr(getattr(changed, section), name, value)
+        flags = " ".join([f"--world-size {world}"] * (world != world_size)
+                         + [f"--{key} {value}" for key, value in changes.items()])
+        out.append((flags, why, changed, world))
+
+    # More ranks, the next power of two: FSDP shards over the new ones.
+    bigger = 1 << world_size.bit_length()
+    others = dims.dp_replicate * dims.cp * dims.tp * dims.pp
+    if bigger % others == 0:
+        shard = bigger // others
+        add({} if p.data_parallel_shard_degree == -1 else {"parallelism.data_parallel_shard_degree": -1},
+            f"{bigger} ranks: FSDP over {shard} instead of {dims.dp_shard}", bigger,
+            dims.dp_replicate * shard)
+    # A larger TP or PP degree, its ranks taken from FSDP's (the model's heads and layers permitting).
+    if dims.dp_shard % 2 == 0:
+        for key, degree, word in (("tensor_parallel_degree", dims.tp, "TP"),
+                                  ("pipeline_parallel_degree", dims.pp, "PP")):
+            if key == "pipeline_parallel_degree" and not can_pipeline:
+                continue
+            changes: dict[str, Any] = {f"parallelism.{key}": 2 * degree}
+            if p.data_parallel_shard_degree != -1:
+                changes["parallelism.data_parallel_shard_degree"] = dims.dp_shard // 2
+            add(changes, f"{word} {2 * degree} instead of {degree}, FSDP over {dims.dp_shard // 2}",
+                dp=dims.dp // 2)
+    # HSDP's replicas as FSDP shards: every data-parallel rank holds a shard.
+    if dims.dp_replicate > 1:
+        add({"parallelism.data_parallel_replicate_degree": 1,
+             "parallelism.data_parallel_shard_degree": dims.dp_replicate * dims.dp_shard},
+            f"FSDP over all {dims.dp} data-parallel ranks instead of {dims.dp_replicate} replicas")
+    # Fewer rows at once per rank, the same global batch: more microbatches per step.
+    if dims.pp == 1 and t.local_batch_size > 1:
+        rows = plan.global_batch // dims.dp
+        local = max(d for d in range(1, t.local_batch_size // 2 + 1) if rows % d == 0)
+        add({"training.local_batch_size": local, "training.global_batch_size": plan.global_batch},
+            f"{local} rows per microbatch instead of {t.local_batch_size}, the same global batch")
+    elif dims.pp > 1 and p.pipeline_parallel_microbatch_size > 1:
+        size = p.pipeline_parallel_microbatch_size // 2
+        add({"parallelism.pipeline_parallel_microbatch_size": size},
+            f"pipeline microbatches of {size} rows instead of {p.pipeline_parallel_microbatch_size}")
+    if not plan.has_ac_peaks and plan.ac_mode != "full":
+        add({"activation_checkpoint.mode": "full"}, "recompute every block in backward instead of keeping "
+            "its activations")
+    return out
+
+
+def _batch_for(cfg: JobConfig, dp: int, changes: dict[str, Any]) -> dict[str, Any]:
+    """Batch sizes that let a fixed global batch split over `dp` data-parallel ranks: a smaller local
+    batch when the rows per rank allow, else a global batch of local × dp ({} when nothing changes)."""
+    t = cfg.training
+    glob = changes.get("training.global_batch_size", t.global_batch_size)
+    local = changes.get("training.local_batch_size", t.local_batch_size)
+    if glob <= 0 or glob % (local * dp) == 0:
+        return {}
+    if glob % dp == 0:
+        rows = glob // dp
+        return {"training.local_batch_size": max(d for d in range(1, min(local, rows) + 1) if rows % d == 0)}
+    return {"training.global_batch_size": local * dp}

@@ -18,6 +18,11 @@ def gib(nbytes: float) -> str:
     return f"{nbytes / 2**10:,.1f} KiB"
 
 
+def _amount(spare_gib: float) -> str:
+    """GiB to spare or short: one decimal from 1 GiB up, finer units below (a tiny device's margin)."""
+    return f"{spare_gib:,.1f} GiB" if abs(spare_gib) >= 1 else gib(abs(spare_gib) * 2**30)
+
+
 def _by_dtype(sizes: dict[str, int]) -> str:
     return " + ".join(f"{gib(n)} {dtype}" for dtype, n in sorted(sizes.items())) or "0"
 
@@ -49,8 +54,8 @@ def _rows(plan: Plan) -> list[tuple[str, list[str]]]:
     verdicts = []
     for r in ranks:
         fits, spare = plan.verdict(r)
-        verdicts.append(f"fits, {spare:,.1f} GiB to spare" if fits else
-                        f"DOES NOT FIT: {-spare:,.1f} GiB short")
+        verdicts.append(f"fits, {_amount(spare)} to spare" if fits else
+                        f"DOES NOT FIT: {_amount(-spare)} short")
     rows.append((f"on {plan.device.name} (keeping {plan.device.reserve_gib:g} GiB free)", verdicts))
     return rows
 
@@ -95,7 +100,30 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"MoE      {moe} layer(s) planned with perfectly balanced routing; a real step's "
                      "busiest expert takes more (moe_imbalance in metrics.jsonl)")
     lines.append(f"planned in {plan.seconds:,.1f} s on fake tensors")
+    if plan.suggestions or plan.suggestions_seconds:
+        lines += ["", *format_suggestions(plan)]
     return "\n".join(lines)
+
+
+def format_suggestions(plan: Plan) -> list[str]:
+    """The single changes tried for a plan that does not fit: those that fit, each with its peak, then
+    those still short in one line."""
+    fit = [g for g in plan.suggestions if g.fits]
+    short = [g for g in plan.suggestions if not g.fits]
+    where = f"on {plan.device.name}, keeping {plan.device.reserve_gib:g} GiB free"
+    lines = []
+    if fit:
+        lines.append(f"what would fit ({where}; each change planned alone, peak of its fullest rank):")
+        width = max(len(g.flags) for g in fit) + 2
+        lines += [f"  {g.flags.ljust(width)}peak {gib(g.peak)}, {_amount(g.spare_gib)} to spare  ({g.why})"
+                  for g in fit]
+    else:
+        lines.append(f"no single change tried fits ({where}); combine them, or plan more ranks")
+    if short:
+        lines.append("still short: " + "; ".join(
+            f"{g.flags} (peak {gib(g.peak)}, {_amount(-g.spare_gib)} short)" for g in short))
+    lines.append(f"{len(plan.suggestions)} change(s) tried in {plan.suggestions_seconds:,.1f} s")
+    return lines
 
 
 def plan_json(plan: Plan) -> str:

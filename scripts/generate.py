@@ -73,10 +73,19 @@ def main(argv: list[str]) -> int:
         load_model_weights(model, opts.checkpoint)
         tokenizer = Tokenizer(resolve_asset(cfg.model.tokenizer_path, ["tokenizer"]))
         prompt = tokenizer.encode(opts.prompt, bos=True)
-        print(opts.prompt, end="", flush=True)
+        shown = []
+
+        def announce(line: str) -> None:
+            """The line saying which path generation takes (stderr), then the prompt the text continues:
+            the line comes first so that it does not split the streamed text."""
+            print(line, file=sys.stderr, flush=True)
+            if not shown:
+                print(opts.prompt, end="", flush=True)
+                shown.append(True)
+
         generate(model, prompt, opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
                  top_p=opts.top_p, seed=opts.seed, eos_id=tokenizer.eos_id, max_seq_len=args.max_seq_len,
-                 on_token=Streamer(tokenizer))
+                 on_token=Streamer(tokenizer), note=announce)  # generate() notes before its first token
         print()
     except KilnError as e:
         print(f"kiln: error: {e}", file=sys.stderr)

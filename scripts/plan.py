@@ -9,7 +9,9 @@ Usage (from the repository root):
         --parallelism.tensor_parallel_degree 8 --parallelism.pipeline_parallel_degree 16
 
 Every --section.key after the options overrides the config, as for train.py. The plan is for
-GPUs (bf16 where the config says auto) unless --device cpu.
+GPUs (bf16 where the config says auto) unless --device cpu. A plan that does not fit is followed
+by the single changes that would (more ranks, larger TP/PP, stronger activation checkpointing,
+a smaller batch per rank), each planned too, with its peak (--no-suggestions skips them).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from components.config.loading import load_config
 from components.runtime.errors import KilnError
-from planning.plan import DEVICES, Device, make_plan  # noqa: E402
+from planning.plan import DEVICES, Device, make_plan, suggest_changes  # noqa: E402
 from planning.report import format_plan, plan_json  # noqa: E402
 
 
@@ -47,6 +49,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                     help="memory kept free for what is not a tensor (CUDA context, NCCL, fragmentation)")
     ap.add_argument("--no-ac-modes", action="store_true",
                     help="skip the peaks of the other activation-checkpoint modes (faster)")
+    ap.add_argument("--no-suggestions", action="store_true",
+                    help="when the plan does not fit, skip planning the single changes that might")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     return ap.parse_known_args(argv)
 
@@ -89,6 +93,10 @@ def main(argv: list[str]) -> int:
         cfg = load_config(rest)
         plan = make_plan(cfg, args.world_size, device, device_type=device_type, ranks=args.ranks,
                          mfu=args.mfu, ac_modes=not args.no_ac_modes)
+        if not plan.fits and not args.no_suggestions:
+            print("the plan does not fit: planning single changes that might ...", file=sys.stderr,
+                  flush=True)
+            suggest_changes(cfg, args.world_size, plan, device_type=device_type)
     except (KilnError, ValueError) as e:
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2

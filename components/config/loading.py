@@ -54,12 +54,51 @@ def _base_type(annotation: Any) -> type:
     return type(get_args(annotation)[0]) if get_origin(annotation) is Literal else annotation
 
 
-def _did_you_mean(name: str, candidates: list[str]) -> str:
-    """A ' — did you mean ...?' hint for a misspelt or misplaced name, or ''."""
-    tail = name.rsplit(".", 1)[-1]
+# Names other trainers (Hugging Face, Megatron, nanoGPT, older TorchTitan) give to Kiln's keys, by
+# the last part of the key: a newcomer types these first, and no spelling is near enough to find them.
+_SYNONYMS_OF = {
+    "optimizer.lr": ("learning_rate", "lr_max", "max_lr"),
+    "lr_scheduler.warmup_steps": ("lr_warmup", "warmup", "warmup_iters", "num_warmup_steps",
+                                  "lr_warmup_steps"),
+    "training.local_batch_size": ("batch_size", "micro_batch_size", "per_device_train_batch_size"),
+    "training.global_batch_size": ("global_batch", "train_batch_size"),
+    "training.steps": ("max_steps", "num_steps", "train_steps", "train_iters", "max_iters", "total_steps"),
+    "training.seq_len": ("seq_length", "max_seq_len", "max_seq_length", "sequence_length", "block_size",
+                         "context_length"),
+    "training.max_norm": ("grad_clip", "max_grad_norm", "clip_grad_norm", "gradient_clipping"),
+    "parallelism.tensor_parallel_degree": ("tp", "tp_degree", "tp_size", "tensor_parallel_size"),
+    "parallelism.pipeline_parallel_degree": ("pp", "pp_degree", "pp_size", "pipeline_parallel_size"),
+    "parallelism.context_parallel_degree": ("cp", "cp_degree", "cp_size", "context_parallel_size"),
+    "parallelism.expert_parallel_degree": ("ep", "ep_degree", "ep_size", "expert_parallel_size"),
+    "parallelism.data_parallel_shard_degree": ("dp", "fsdp", "dp_shard", "fsdp_degree", "data_parallel_size"),
+    "parallelism.data_parallel_replicate_degree": ("dp_replicate", "ddp", "replicate_degree"),
+    "parallelism.pipeline_parallel_schedule": ("pp_schedule", "pipeline_schedule"),
+    "checkpoint.interval": ("save_interval", "save_steps", "checkpoint_interval", "ckpt_interval"),
+    "checkpoint.keep_latest_k": ("save_total_limit", "keep_last", "keep_latest"),
+    "metrics.log_freq": ("log_interval", "logging_steps", "log_every"),
+    "job.dump_folder": ("output_dir", "out_dir", "dump_dir"),
+    "activation_checkpoint.mode": ("gradient_checkpointing", "activation_checkpointing", "ac"),
+    "compile.enable": ("torch_compile",),
+    "model.name": ("model_name", "arch"),
+    "model.flavor": ("size", "model_size"),
+}
+_SYNONYMS = {synonym: key for key, synonyms in _SYNONYMS_OF.items() for synonym in synonyms}
+
+
+def did_you_mean(name: str, candidates: list[str], *, spelling: bool = True) -> str:
+    """A ' — did you mean ...?' hint for a misspelt, miscased or misplaced name, or a synonym of a
+    key (`learning_rate` → `optimizer.lr`); ''. With spelling=False only a different case is
+    corrected (for presets such as flavors, where a near spelling is another size, not a typo)."""
+    folded = {c.lower(): c for c in candidates}
+    lower = name.lower()
+    tail = lower.rsplit(".", 1)[-1]
+    match = [folded[lower]] if lower in folded else []
     # An exact key name in another section ("training.lr") beats a near spelling in this one.
-    match = [c for c in candidates if c.rsplit(".", 1)[-1] == tail]
-    match = match or difflib.get_close_matches(name, candidates, n=1)
+    match = match or [c for c in candidates if c.lower().rsplit(".", 1)[-1] == tail]
+    if spelling and not match and _SYNONYMS.get(tail) in candidates:
+        match = [_SYNONYMS[tail]]
+    if spelling and not match:
+        match = [folded[m] for m in difflib.get_close_matches(lower, list(folded), n=1)]
     return f" — did you mean '{match[0]}'?" if match else ""
 
 
@@ -69,7 +108,8 @@ def _check(key: str, value: Any, where: str) -> None:
     choices = get_args(annotation) if get_origin(annotation) is Literal else ()
     if choices and value not in choices:
         valid = ", ".join(repr(c) for c in choices)
-        raise ConfigError(f"{where}: {key} expects one of {valid}, got {value!r}")
+        hint = did_you_mean(value, list(choices)) if isinstance(value, str) else ""
+        raise ConfigError(f"{where}: {key} expects one of {valid}, got {value!r}{hint}")
     if rule is not None and not rule.ok(value):
         raise ConfigError(f"{where}: {key} expects {rule.text}, got {value!r}")
 
@@ -130,7 +170,7 @@ def _parse_argv(argv: list[str]) -> tuple[str | None, list[tuple[str, Any]], boo
             continue
         key = name.replace("-", "_")
         if key not in _KEYS:
-            hint = _did_you_mean(key, list(_KEYS))
+            hint = did_you_mean(key, list(_KEYS))
             raise ConfigError(f"command line: unknown key '{name}'{hint}")
         if not has_eq:
             if _base_type(_KEYS[key].type) is bool:
@@ -169,15 +209,15 @@ def _apply_toml(cfg: JobConfig, path: Path) -> None:
         raise ConfigError(f"{path}: cannot read: {e}") from None
     for section, table in data.items():
         if not isinstance(table, dict):
-            hint = _did_you_mean(section, list(_KEYS))
+            hint = did_you_mean(section, list(_KEYS))
             raise ConfigError(f"{path}: key '{section}' is outside any [section]{hint}")
         if section not in _SECTIONS:
-            hint = _did_you_mean(section, list(_SECTIONS))
+            hint = did_you_mean(section, list(_SECTIONS))
             raise ConfigError(f"{path}: unknown section '{section}'{hint}")
         for name, value in table.items():
             key = f"{section}.{name}"
             if key not in _KEYS:
-                raise ConfigError(f"{path}: unknown key '{key}'{_did_you_mean(key, list(_KEYS))}")
+                raise ConfigError(f"{path}: unknown key '{key}'{did_you_mean(key, list(_KEYS))}")
             _set(cfg, key, _from_toml(key, value, str(path)), str(path))
 
 

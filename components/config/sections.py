@@ -215,7 +215,10 @@ class Checkpoint:
     enable: bool = _opt(False, "save checkpoints and resume from them")
     folder: str = _opt("checkpoint", "checkpoint folder, inside job.dump_folder")
     interval: int = _opt(500, "save every N steps", _ge(1))
-    keep_latest_k: int = _opt(0, "keep only the newest K checkpoints; 0 = keep all", _ge(0))
+    keep_latest_k: int = _opt(
+        3, "keep only the newest K whole checkpoints (model-only exports stay); 0 = keep all. 3: the newest "
+        "to resume from and two to fall back to if it is damaged or the loss went bad, while disk use "
+        "stays bounded (every checkpoint is a whole training state)", _ge(0))
     load_step: int = _opt(-1, "step to resume from; -1 = the latest", _ge(0, or_=-1))
     async_mode: Literal["disabled", "async"] = _opt(
         "disabled", "async = write checkpoints in the background while training goes on"
