@@ -1,1 +1,2 @@
-"""Scripts and modules the tests launch or import (not tests themselves)."""
+"""What the tests share (runs.py: launching runs, reading their metrics) and the scripts and modules
+they launch or import (not tests themselves)."""

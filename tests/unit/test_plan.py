@@ -1,0 +1,58 @@
+"""The planner's memory accounting on one process: the measured CPU peak sees frees on other threads,
+and a reduction into another dtype counts its copy of the input on CPU. The planner against real
+runs, and its command line, are tests/e2e/test_plan_runs.py."""
+
+import time
+
+import pytest
+
+
+def test_the_measured_cpu_peak_sees_frees_on_other_threads():
+    # gloo frees blocks on its worker threads, where torch.profiler records no event: the report
+    # reads the allocator's own total over every thread, so a block freed there is gone at once.
+    import threading
+
+    import torch
+
+    from components.observability.memory_report import AllocatorTotals, cpu_allocator_totals, window_peak
+
+    mib = 1 << 20
+    totals = AllocatorTotals()
+    totals.start()
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    profiler.start()
+    try:
+        box = [torch.empty(4 * mib, dtype=torch.uint8)]
+        worker = threading.Thread(target=box.clear)
+        worker.start()
+        worker.join()
+        start = time.time_ns()
+        kept = [torch.empty(2 * mib, dtype=torch.uint8), torch.empty(mib, dtype=torch.uint8)]
+        end = time.time_ns()
+    finally:
+        profiler.stop()
+        totals.stop()
+    assert not totals.flag.value
+    events = cpu_allocator_totals(profiler.profiler.kineto_results.experimental_event_tree())
+    assert [delta for _, delta, _ in events if abs(delta) >= mib] == [4 * mib, 2 * mib, mib]  # no free seen
+    assert window_peak(events, start, end) == 3 * mib  # the profiler's events summed: 7 MiB
+    assert window_peak(events, end, end + 1) == 3 * mib  # nothing inside: what was held before
+    del kept
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_a_reduction_into_another_dtype_counts_its_copy_of_the_input_on_cpu(device_type):
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from planning.step_tracker import StepTracker
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        grad = torch.empty(1 << 20)  # 4 MiB of float32
+        tracker = StepTracker(fake, {}, device_type)
+        with tracker:
+            tracker.reset_peak()
+            torch.linalg.vector_norm(grad, 2, dtype=torch.float64)  # the CPU grad-norm clip's
+            torch.linalg.vector_norm(grad, 2)  # no cast: nothing beyond its output
+    copy = (1 << 20) * 8 if device_type == "cpu" else 0
+    assert tracker.peak == copy + 8
