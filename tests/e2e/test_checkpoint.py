@@ -14,7 +14,9 @@ from components.checkpoint.integrity import MANIFEST, checkpoint_problem
 from components.checkpoint.manager import prune
 from tests.helpers.runs import TINY, check_ok, dump_args, fails_with, read_metrics, run_train, train_rows
 
-CKPT = ["--training.steps", "20", "--checkpoint.enable", "--checkpoint.interval", "5"]
+# Every checkpoint kept (the default keeps the latest 3): the tests resume from each of them.
+CKPT = ["--training.steps", "20", "--checkpoint.enable", "--checkpoint.interval", "5",
+        "--checkpoint.keep_latest_k", "0"]
 
 
 def args_for(dump: Path, cache: Path, *extra: str) -> list[str]:
