@@ -35,6 +35,11 @@ class ModelSpec:
     state_dict_adapter: type | None = None  # converts to/from Hugging Face names
     # (args, parallel_dims) → problems this family has with a layout, beside the generic checks.
     check_fn: Callable[[Any, Any], list[str]] | None = None
+    # Hugging Face config.json model_type values this family imports (e.g. "llama"), and the
+    # function that reads such a config.json (a dict) into this family's args, refusing in one
+    # KilnError any field it does not implement.
+    hf_model_types: tuple[str, ...] = ()
+    args_from_hf: Callable[[dict], Any] | None = None
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
