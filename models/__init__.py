@@ -115,5 +115,7 @@ def registered_models() -> list[str]:
     return sorted(_REGISTRY)
 
 
-# Built-in families register themselves on import (one line per family).
+# Built-in families register themselves on import (one line per family; isort would merge them).
+# isort: off
 from models import llama3, moe  # noqa: E402,F401
+from models import qwen3  # noqa: E402,F401

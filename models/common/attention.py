@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common.init import trunc_normal_
+from models.common.norm import RMSNorm
 from models.common.rope import apply_rope
 
 
@@ -28,19 +29,30 @@ class Attention(nn.Module):
 
     `core_attention` (q, k, v → output) is plain causal SDPA; context parallel swaps it for one
     that also attends to the other ranks' keys (parallelisms/context_parallel.py).
+
+    Llama's is the default. Qwen3 adds two options: `head_dim` set apart from dim / n_heads, and
+    `qk_norm_eps`, which gives every head's queries and keys an RMSNorm over head_dim (`q_norm`,
+    `k_norm`, one weight shared by all heads) before RoPE. Without them the module and its parameter
+    names are Llama's.
     """
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int | None = None,
+                 qk_norm_eps: float | None = None) -> None:
         super().__init__()
         if n_heads % n_kv_heads != 0:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
-        self.head_dim = dim // n_heads
+        self.head_dim = head_dim or dim // n_heads
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(self.head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, qk_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
         self.core_attention = causal_attention
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
@@ -52,6 +64,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:  # per head, over head_dim, before RoPE (Qwen3)
+            q, k = self.q_norm(q), self.k_norm(k)
         # The table covers max_seq_len (or this rank's positions under context parallel); this
         # attention sees the whole sequence (gathered under SP).
         rope = rope[:seqlen] if rope.dim() == 2 else rope[:, :seqlen]
@@ -68,6 +82,9 @@ class Attention(nn.Module):
         for lin in (self.wq, self.wk, self.wv):
             trunc_normal_(lin.weight, mean=0.0, std=0.02)
         trunc_normal_(self.wo.weight, mean=0.0, std=std_out)
+        if self.q_norm is not None:
+            self.q_norm.reset_parameters()
+            self.k_norm.reset_parameters()
 
 
 def attention_flops_per_token(n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:

@@ -1,4 +1,5 @@
-"""MoE flavors: CPU-sized debug/tiny models and real shapes (Mixtral 8x7B, Qwen3-30B-A3B-like)."""
+"""MoE flavors: CPU-sized debug/tiny models and a real shape (Mixtral 8x7B); Qwen3-MoE is the qwen3
+family (models/qwen3/, e.g. --model.name qwen3 --model.flavor 30B-A3B)."""
 
 from models.common.moe import MoEArgs
 from models.moe.model import MoEModelArgs
@@ -23,12 +24,5 @@ MOE_FLAVORS: dict[str, MoEModelArgs] = {
         max_seq_len=32768,
         moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=14336, score_func="softmax", route_norm=True,
                     load_balance_coeff=None, aux_loss_coeff=0.02),
-    ),
-    # Qwen3-30B-A3B-like: 48 layers, 128 experts, top 8, GQA 32/4. What differs from Qwen3: head
-    # dim 64 (Kiln derives it as dim / heads; Qwen3 uses 128), no QK-norm, and Kiln's expert bias.
-    "qwen3_30b_a3b": MoEModelArgs(
-        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, vocab_size=151936, rope_theta=1e6,
-        max_seq_len=40960, norm_eps=1e-6,
-        moe=MoEArgs(num_experts=128, top_k=8, hidden_dim=768, score_func="softmax", route_norm=True),
     ),
 }
