@@ -6,8 +6,9 @@ Usage (from the repository root):
         [--max-new-tokens 200] [--temperature 0.8] [--top-k 50] [--top-p 0.95] [--seed 0]
 
 The model shape and tokenizer come from the config; any --section.key after the options
-overrides it (e.g. --model.flavor tiny). One process, on the GPU when there is one; the same seed
-gives the same text.
+overrides it (e.g. --model.flavor tiny). Without --config, a checkpoint folder holding a
+config.toml (one written by `convert_hf.py from-hf` without --config) is its own config.
+One process, on the GPU when there is one; the same seed gives the same text.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ class Streamer:
 
 def main(argv: list[str]) -> int:
     opts, overrides = parse(argv)
+    own = opts.checkpoint / "config.toml"
+    if not any(a == "--config" or a.startswith("--config=") for a in overrides) and own.is_file():
+        overrides = ["--config", str(own), *overrides]
     try:
         cfg = load_config(overrides)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -23,6 +23,9 @@ class LlamaArgs:
     vocab_size: int = 4096
     multiple_of: int = 256
     ffn_dim_multiplier: float | None = None
+    # The feed-forward's hidden size as given (e.g. a Hugging Face intermediate_size); None = derived
+    # from multiple_of and ffn_dim_multiplier as Meta's Llama does.
+    ffn_hidden_dim: int | None = None
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     rope_scaling: RopeScaling | None = None
@@ -38,6 +41,13 @@ class LlamaArgs:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def ffn_dim(self) -> int:
+        """Hidden units of the SwiGLU feed-forward."""
+        if self.ffn_hidden_dim is not None:
+            return self.ffn_hidden_dim
+        return swiglu_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
+
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attention(norm(x)), then + feed_forward(norm(x))."""
@@ -45,8 +55,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: LlamaArgs) -> None:
         super().__init__()
         self.attention = Attention(args.dim, args.n_heads, args.kv_heads)
-        hidden = swiglu_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier)
-        self.feed_forward = FeedForward(args.dim, hidden)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         depth = layer_id + 1 if args.depth_init else args.n_layers

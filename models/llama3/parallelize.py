@@ -53,9 +53,14 @@ def check_llama(args: Any, dims: ParallelDims) -> list[str]:
     """The Llama family's own check (ModelSpec.check_fn): TP splits the feed-forward's hidden units
     evenly, or the row-wise projection would get another width than its weight (uneven DTensor
     shards)."""
-    hidden = swiglu_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier)
+    # A family that reuses this check with args of its own may lack ffn_dim (Meta's sizing then).
+    given = getattr(args, "ffn_hidden_dim", None)
+    hidden = given if given is not None else swiglu_hidden_dim(args.dim, args.multiple_of,
+                                                               args.ffn_dim_multiplier)
     if dims.tp > 1 and hidden % dims.tp:
+        source = ("ffn_hidden_dim" if given is not None else
+                  f"from dim {args.dim}, multiple_of {args.multiple_of}, ffn_dim_multiplier "
+                  f"{args.ffn_dim_multiplier}")
         return [f"tensor_parallel_degree {dims.tp} must divide the feed-forward hidden size {hidden} "
-                f"(from dim {args.dim}, multiple_of {args.multiple_of}, ffn_dim_multiplier "
-                f"{args.ffn_dim_multiplier})"]
+                f"({source})"]
     return []

@@ -8,7 +8,6 @@ from typing import Any
 from torch import Tensor
 
 from components.runtime.errors import KilnError
-from models.common.feed_forward import swiglu_hidden_dim
 from models.llama3.model import LlamaArgs
 
 # Kiln name → Hugging Face name, for the parameters outside the blocks and inside block {i}.
@@ -148,7 +147,7 @@ class LlamaStateDictAdapter:
             "architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "hidden_size": a.dim, "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads,
             "num_key_value_heads": a.kv_heads, "head_dim": a.head_dim,
-            "intermediate_size": swiglu_hidden_dim(a.dim, a.multiple_of, a.ffn_dim_multiplier),
+            "intermediate_size": a.ffn_dim,
             "vocab_size": a.vocab_size, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
             "rms_norm_eps": a.norm_eps, "rope_theta": float(a.rope_theta), "rope_scaling": scaling,
             "max_position_embeddings": a.max_seq_len, "tie_word_embeddings": a.tie_embeddings,

@@ -2,6 +2,7 @@
 
 from models import ModelSpec, register_model_spec
 from models.moe.flavors import MOE_FLAVORS
+from models.moe.hf_config import mixtral_args_from_hf
 from models.moe.model import MoETransformer, moe_flops_per_token
 from models.moe.parallelize import check_moe, parallelize_moe
 from models.moe.state_dict_adapter import MixtralStateDictAdapter
@@ -16,6 +17,8 @@ register_model_spec(
         flops_per_token_fn=moe_flops_per_token,
         pipeline_fn=make_stage_model,
         state_dict_adapter=MixtralStateDictAdapter,
+        hf_model_types=("mixtral",),
+        args_from_hf=mixtral_args_from_hf,
         check_fn=check_moe,
     )
 )
