@@ -119,3 +119,4 @@ def registered_models() -> list[str]:
 # isort: off
 from models import llama3, moe  # noqa: E402,F401
 from models import qwen3  # noqa: E402,F401
+from models import deepseek_v3  # noqa: E402,F401

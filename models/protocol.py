@@ -8,6 +8,9 @@ is_last)` take those arguments, and that pipeline_fn leaves a middle stage nothi
 
 The args (one dataclass per flavor) must have
     dim, n_layers, n_heads, kv_heads, vocab_size, max_seq_len   (kv_heads may be a property)
+kv_heads counts the key/value heads attention (and core_attention) sees: multi-head latent
+attention (models/deepseek_v3) stores one shared latent but expands it to n_heads keys and values,
+so its kv_heads is n_heads; nothing else of the contract assumes q, k and v share a head size.
 and may have
     tie_embeddings   True when the output head shares the embedding's weight (refused under TP)
     moe              an MoE layer's args (num_experts, top_k): the model may use expert parallel

@@ -34,6 +34,11 @@ class MoEArgs:
     route_scale: float = 1.0
     load_balance_coeff: float | None = 1e-3  # expert-bias step per update; None = no bias
     aux_loss_coeff: float = 0.0  # weight of the load-balancing auxiliary loss; 0 = off
+    # Group-limited routing (DeepSeek-V3): the experts form num_groups equal groups, each token keeps
+    # the top_k_groups groups whose two best (bias-adjusted) scores sum highest and chooses its
+    # top_k experts inside them. 1 group = plain top-k.
+    num_groups: int = 1
+    top_k_groups: int = 1
 
 
 class TopKRouter(nn.Module):
@@ -51,11 +56,23 @@ class TopKRouter(nn.Module):
         logits = self.gate(x).float()
         scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
         choice = scores if expert_bias is None else scores + expert_bias
+        if a.num_groups > 1:
+            choice = self._limit_to_groups(choice)
         experts = choice.topk(a.top_k, dim=-1).indices
         weights = scores.gather(-1, experts)
         if a.route_norm:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * a.route_scale, experts, scores
+
+    def _limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """choice [tokens, experts] with the experts outside each token's top_k_groups groups set to
+        -inf; a group ranks by the sum of its two best scores (its only one, for groups of one)."""
+        a = self.args
+        grouped = choice.unflatten(-1, (a.num_groups, -1))  # [tokens, groups, experts per group]
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        keep = group_scores.topk(a.top_k_groups, dim=-1).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        return grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).flatten(1)
 
 
 class GroupedExperts(nn.Module):

@@ -1,0 +1,86 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3): queries and keys/values pass through low-rank
+latents, and RoPE acts on a few extra dimensions per head whose key is shared by every head.
+
+Per head the query is [q_nope (qk_nope_head_dim) | q_pe (qk_rope_head_dim)] and the key
+[k_nope | k_pe], with k_pe the same for all heads; values have v_head_dim. The softmax scale is
+(qk_nope + qk_rope)^-0.5, times YaRN's mscale² when YaRN is on: that extra factor is folded into the
+query, so `core_attention` stays plain causal SDPA over (q, k, v) and can be swapped like the one in
+models/common/attention.py (context parallel, generation's KV cache).
+"""
+
+import torch
+from torch import nn
+
+from models.common.attention import causal_attention, document_causal_attention
+from models.common.init import trunc_normal_
+from models.common.norm import RMSNorm
+from models.common.rope import YarnScaling, apply_rope, yarn_softmax_factor
+
+LATENT_NORM_EPS = 1e-6  # the latents' RMSNorms keep DeepSeek's eps whatever the model's norm_eps
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """MLA: q from x by wq (q_lora_rank None) or wq_b(q_norm(wq_a(x))); [kv latent | k_pe] from
+    wkv_a(x); k_nope and v per head from wkv_b(kv_norm(kv latent)); RoPE on q_pe and k_pe."""
+
+    def __init__(self, dim: int, n_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
+                 rope_scaling: YarnScaling | None = None) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.q_lora_rank = q_lora_rank
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        if q_lora_rank:
+            self.wq_a = nn.Linear(dim, q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(q_lora_rank, LATENT_NORM_EPS)
+            self.wq_b = nn.Linear(q_lora_rank, n_heads * self.qk_head_dim, bias=False)
+        else:
+            self.wq = nn.Linear(dim, n_heads * self.qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(dim, kv_lora_rank + qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS)
+        self.wkv_b = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.wo = nn.Linear(n_heads * v_head_dim, dim, bias=False)
+        # SDPA scales by qk_head_dim^-0.5 itself; YaRN's extra factor goes into the query.
+        self.query_factor = yarn_softmax_factor(rope_scaling)
+        self.core_attention = causal_attention
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [batch, seq, dim]; rope [seq, qk_rope_head_dim] (or per row [batch, seq, ...]); doc_ids
+        [batch, seq] keeps attention inside each token's document."""
+        bsz, seqlen, _ = x.shape
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_lora_rank else self.wq(x)
+        # -1 instead of the head count: under tensor parallel each rank holds a slice of the heads.
+        q = q.view(bsz, seqlen, -1, self.qk_head_dim)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        latent, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        rope = rope[:seqlen] if rope.dim() == 2 else rope[:, :seqlen]
+        q_pe = apply_rope(q_pe, rope)
+        k_pe = apply_rope(k_pe.unsqueeze(2), rope)  # one rotary key, shared by every head
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        if self.query_factor != 1.0:
+            q = q * self.query_factor
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bsz, heads, seq, head_dim]
+        if doc_ids is None:
+            out = self.core_attention(q, k, v)
+        else:
+            out = document_causal_attention(q, k, v, doc_ids)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+    def init_weights(self, std_out: float) -> None:
+        """Truncated-normal init, the latent norms at one; the output projection gets a depth-scaled std."""
+        for name in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b"):
+            lin = getattr(self, name, None)
+            if lin is not None:
+                trunc_normal_(lin.weight, mean=0.0, std=0.02)
+        for norm in (getattr(self, "q_norm", None), self.kv_norm):
+            if norm is not None:
+                norm.reset_parameters()
+        trunc_normal_(self.wo.weight, mean=0.0, std=std_out)
