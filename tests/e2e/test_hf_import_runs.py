@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from components.data.tokenizer import Tokenizer
 from tests.helpers.runs import REPO, check_ok, dump_args, fails_with, run_train, train_rows
@@ -137,3 +138,16 @@ def test_damaged_import_is_one_error(imported, tmp_path):
     fails_with(run_train(args, script="scripts/generate.py"), f"no config.json in {broken}")
     (broken / "kiln_model.py").unlink()
     fails_with(run_train(args, script="scripts/generate.py"), "kiln_model.py", "no such file")
+
+
+def test_exports_back_bit_identical(imported, tmp_path):
+    """to-hf --config D/config.toml gives the imported tensors back, the odd intermediate_size and the
+    RoPE scaling included."""
+    folder, out = imported("llama")
+    check_ok(run_train(["to-hf", "--config", str(out / "config.toml"), "--checkpoint", str(out),
+                        "--out", str(tmp_path / "hf")], script="scripts/convert_hf.py"))
+    before, after = load_file(folder / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["intermediate_size"] == 100 and config["rope_scaling"]["rope_type"] == "llama3"
