@@ -8,6 +8,8 @@ query, so `core_attention` stays plain causal SDPA over (q, k, v) and can be swa
 models/common/attention.py (context parallel, generation's KV cache).
 """
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -15,6 +17,11 @@ from models.common.attention import causal_attention, document_causal_attention
 from models.common.init import trunc_normal_
 from models.common.norm import RMSNorm
 from models.common.rope import YarnScaling, apply_rope, yarn_softmax_factor
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
 
 LATENT_NORM_EPS = 1e-6  # the latents' RMSNorms keep DeepSeek's eps whatever the model's norm_eps
 
@@ -47,6 +54,9 @@ class MultiHeadLatentAttention(nn.Module):
         # SDPA scales by qk_head_dim^-0.5 itself; YaRN's extra factor goes into the query.
         self.query_factor = yarn_softmax_factor(rope_scaling)
         self.core_attention = causal_attention
+        # Tensor parallel: each rank uses the shared rotary key for its own heads only, so the
+        # gradient of k_pe is a partial sum there; TP sets this to sum it (parallelize.py).
+        self.shared_key_grad_sync: Callable[[torch.Tensor], torch.Tensor] = _identity
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,7 +72,7 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         rope = rope[:seqlen] if rope.dim() == 2 else rope[:, :seqlen]
         q_pe = apply_rope(q_pe, rope)
-        k_pe = apply_rope(k_pe.unsqueeze(2), rope)  # one rotary key, shared by every head
+        k_pe = apply_rope(self.shared_key_grad_sync(k_pe).unsqueeze(2), rope)  # one key, every head
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         if self.query_factor != 1.0:

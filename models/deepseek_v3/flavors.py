@@ -27,9 +27,10 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
         moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=256, num_shared_experts=1, score_func="sigmoid",
                     route_norm=True, load_balance_coeff=1e-2, num_groups=4, top_k_groups=2),
     ),
-    # For fast multi-process tests: 2 blocks (one dense, one MoE), V2-Lite's full-rank queries.
+    # For fast multi-process tests: 2 blocks (one dense, one MoE), low-rank queries (V2-Lite's
+    # full-rank ones are the 16B flavor's, and tests/unit/test_deepseek_v3_hf.py's).
     "tiny": DeepSeekV3Args(
-        dim=64, n_layers=2, n_heads=4, vocab_size=4096, max_seq_len=2048, q_lora_rank=None,
+        dim=64, n_layers=2, n_heads=4, vocab_size=4096, max_seq_len=2048, q_lora_rank=24,
         kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, inter_dim=128,
         n_dense_layers=1,
         moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=64, num_shared_experts=1, score_func="sigmoid",

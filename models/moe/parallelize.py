@@ -1,5 +1,7 @@
 """Parallelize the MoE transformer: Llama's TP plan for attention, TP or EP for the MoE layers."""
 
+from collections.abc import Callable
+
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -62,11 +64,13 @@ def check_moe(args: MoEModelArgs, dims: ParallelDims) -> list[str]:
     return []
 
 
-def parallelize_moe(model: nn.Module, dims: ParallelDims, options: ParallelOptions) -> nn.Module:
-    """TP → EP → CP → AC → compile → FSDP (experts over what EP leaves of dp_shard × cp)."""
+def parallelize_moe(model: nn.Module, dims: ParallelDims, options: ParallelOptions,
+                    attention: Callable[[bool], dict[str, ParallelStyle]] = attention_plan) -> nn.Module:
+    """TP → EP → CP → AC → compile → FSDP (experts over what EP leaves of dp_shard × cp). `attention`
+    (float8) is the TP plan of a block's attention and norms (another family's attention brings its own)."""
     moes = [m for _, m in moe_layers([model])]
-    dense_block = attention_plan(options.float8) | feed_forward_plan(options.float8)
-    moe_block = attention_plan(options.float8) | (moe_tp_plan_with_ep() if dims.ep > 1 else moe_tp_plan())
+    dense_block = attention(options.float8) | feed_forward_plan(options.float8)
+    moe_block = attention(options.float8) | (moe_tp_plan_with_ep() if dims.ep > 1 else moe_tp_plan())
     tensor_parallelize(model, dims, options,
                        lambda block: moe_block if getattr(block, "moe_enabled", False) else dense_block)
     if dims.tp > 1 and dims.ep == 1:

@@ -1,8 +1,8 @@
-"""DeepSeek-V3 in the parallel layouts it supports: the tiny model (multi-head latent attention, a
-dense block, then an MoE block with group-limited routing) under FSDP 2 and EP 2, each against one
-process — loss and grad norm within 1e-5 relative at step 1 and 1e-4 through step 10, as
-tests/e2e/test_parity.py holds Llama, and the same expert loads. TP, PP and CP are refused at
-start-up in one line (models/deepseek_v3/parallelize.py). Agreement with transformers' own
+"""DeepSeek-V3 in the parallel layouts it supports: the tiny model (multi-head latent attention with
+low-rank queries, a dense block, then an MoE block with group-limited routing) under FSDP 2, EP 2,
+TP 2 (MLA's plan) and PP 2, each against one process — loss and grad norm within 1e-5 relative at
+step 1 and 1e-4 through step 10, as tests/e2e/test_parity.py holds Llama, and the same expert loads.
+CP is refused at start-up in one line (models/deepseek_v3/parallelize.py). Agreement with transformers' own
 DeepseekV3ForCausalLM is tests/unit/test_deepseek_v3_hf.py."""
 
 import pytest
@@ -15,6 +15,8 @@ HALF = ["--training.local_batch_size", "4"]
 LAYOUTS = {
     "fsdp2": HALF,
     "ep2": [*HALF, "--parallelism.expert_parallel_degree", "2"],
+    "tp2": [*HALF, "--parallelism.tensor_parallel_degree", "2"],
+    "pp2": ["--parallelism.pipeline_parallel_degree", "2"],
 }
 
 
@@ -44,7 +46,7 @@ def test_layout_matches_single_process(layout, reference, tmp_path, data_cache):
         assert got["moe_load"] == ref["moe_load"], (layout, ref["step"])
 
 
-def test_tensor_parallel_is_refused_in_one_line(tmp_path, data_cache):
-    tp2 = ["--parallelism.tensor_parallel_degree", "2"]
-    proc = run_train([*DEEPSEEK, *tp2, *dump_args(tmp_path, data_cache)], nproc=2)
-    fails_with(proc, "deepseek_v3", "tensor_parallel_degree", torchrun=True)
+def test_context_parallel_is_refused_in_one_line(tmp_path, data_cache):
+    cp2 = ["--parallelism.context_parallel_degree", "2"]
+    proc = run_train([*DEEPSEEK, *cp2, *dump_args(tmp_path, data_cache)], nproc=2)
+    fails_with(proc, "deepseek_v3", "context_parallel_degree", torchrun=True)
