@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from components.config.loading import load_config
 from components.data.tokenizer import Tokenizer
 from tests.helpers.runs import REPO, check_ok, dump_args, fails_with, run_train, train_rows
 
@@ -122,7 +123,25 @@ def test_refused_config_is_one_line_and_writes_nothing(imported, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "model_type 'gpt_neox'" in lines[0], lines
     assert "llama (llama3)" in lines[0] and "mixtral (moe)" in lines[0]
+    proc = convert("--hf", str(tmp_path / "nope"), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"convert_hf: error: Hugging Face folder not found: {tmp_path / 'nope'}"]
+    proc = convert("--hf", str(folder), "--out", str(tmp_path / "out"), "--model.flavor", "tiny")
+    assert proc.returncode == 2 and "--model.flavor: overrides need --config" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_folder_without_tokenizer_says_so(imported, tmp_path):
+    folder, _ = imported("mixtral")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(folder / name, bare / name)
+    proc = convert("--hf", str(bare), "--out", str(tmp_path / "out"))
+    check_ok(proc)
+    assert "has no tokenizer.json: set model.tokenizer_path" in proc.stdout
+    toml = load_config(["--config", str(tmp_path / "out" / "config.toml")])
+    assert toml.model.tokenizer_path == "assets/tokenizer/tokenizer.json"  # the default: not set
 
 
 def test_damaged_import_is_one_error(imported, tmp_path):
@@ -134,6 +153,8 @@ def test_damaged_import_is_one_error(imported, tmp_path):
     (broken / "config.json").write_text("{ not json")
     args = ["--checkpoint", str(broken), "--prompt", PROMPT, "--max-new-tokens", "2"]
     fails_with(run_train(args, script="scripts/generate.py"), f"cannot parse {broken / 'config.json'}")
+    fails_with(run_train(["--config", str(broken / "config.toml"), "--training.steps", "1",
+                          *dump_args(tmp_path / "run")]), f"cannot parse {broken / 'config.json'}")
     (broken / "config.json").unlink()
     fails_with(run_train(args, script="scripts/generate.py"), f"no config.json in {broken}")
     (broken / "kiln_model.py").unlink()
