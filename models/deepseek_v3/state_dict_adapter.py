@@ -213,7 +213,7 @@ def args_from_hf(config: dict[str, Any]) -> DeepSeekV3Args:
     if c.get("quantization_config"):
         problems.append("the weights are quantized (quantization_config): convert them to bf16/fp32 first")
     params = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    theta = float(c.get("rope_theta", params.get("rope_theta", 10000.0)))
+    theta = float(c.get("rope_theta") or params.get("rope_theta") or 10000.0)
     kind = params.get("rope_type", params.get("type", "default"))
     max_pos = c.get("max_position_embeddings", 4096)
     scaling = None

@@ -142,6 +142,30 @@ def test_export_loads_in_transformers(tmp_path, case):
     assert adapter.args_from_hf_config(adapter.hf_config(1, 2)) == ours.args
 
 
+def test_fused_expert_files_read_as_per_expert_ones(tmp_path):
+    """transformers 5 saves DeepSeek's per-expert names (as above); its in-memory fused layout
+    (gate_up_proj [E, 2·I, dim] with gate first, down_proj [E, dim, I]) reads to the same weights."""
+    hf = hf_model("v3_yarn_groups")
+    hf.save_pretrained(tmp_path)
+    ours = imported(tmp_path)
+    adapter = DeepSeekV3StateDictAdapter(ours.args)
+    per_expert = load_hf_state(tmp_path)
+    fused = {k: v for k, v in per_expert.items() if ".mlp.experts." not in k}
+    for i in range(ours.args.n_dense_layers, ours.args.n_layers):
+        sd = ours.state_dict()
+        prefix = f"model.layers.{i}.mlp.experts."
+        fused[prefix + "gate_up_proj"] = torch.cat([sd[f"layers.{i}.moe.experts.w1"],
+                                                    sd[f"layers.{i}.moe.experts.w3"]], dim=1)
+        fused[prefix + "down_proj"] = sd[f"layers.{i}.moe.experts.w2"]
+    again = adapter.from_hf(fused)
+    for name, w in adapter.from_hf(per_expert).items():
+        assert torch.equal(again[name], w), name
+    # And transformers' own module, loaded from those files, holds exactly that fused layout.
+    experts = hf.model.layers[1].mlp.experts
+    torch.testing.assert_close(experts.gate_up_proj, fused["model.layers.1.mlp.experts.gate_up_proj"],
+                               rtol=0, atol=0)
+
+
 def test_yarn_table_matches_transformers():
     config = transformers.DeepseekV3Config(**BASE, **CASES["v3_yarn_groups"])
     rotary = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3RotaryEmbedding(config)
