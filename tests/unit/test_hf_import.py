@@ -2,6 +2,8 @@
 shapes read exactly, from transformers' own config classes, and every field Kiln does not implement
 is refused by name. The import as a user runs it is tests/e2e/test_hf_import_runs.py."""
 
+import dataclasses
+
 import pytest
 
 from components.runtime.errors import KilnError
@@ -117,3 +119,36 @@ def test_a_missing_size_is_named():
     del config["intermediate_size"]
     with pytest.raises(KilnError, match="intermediate_size = null"):
         args_from_hf_config(config)
+
+
+# The config.json files of the published checkpoints (as on the hub), which Kiln has flavors of.
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
+    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 128256}
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32,
+    "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+    "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1e6, "router_aux_loss_coef": 0.02,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 32000}
+
+
+@pytest.mark.parametrize("config, family, flavor", [(LLAMA31_8B, "llama3", "8B"),
+                                                     (MIXTRAL_8X7B, "moe", "mixtral_8x7b")])
+def test_published_configs_read_as_kilns_flavors(config, family, flavor):
+    """What the hub's config.json gives is Kiln's hand-written flavor, up to how the FFN size is given."""
+    spec, args = args_from_hf_config(config)
+    want = spec.flavors[flavor]
+    assert spec.name == family and args.ffn_dim == want.ffn_dim
+    same = dataclasses.replace(args, multiple_of=want.multiple_of, ffn_dim_multiplier=want.ffn_dim_multiplier,
+                               ffn_hidden_dim=None)
+    assert same == want
