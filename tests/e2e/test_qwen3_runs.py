@@ -1,8 +1,8 @@
 """Qwen3 in the parallel layouts: the tiny dense model under FSDP 2, TP 2 (the QK-norms on each
-rank's heads), PP 2 and CP 2, and the tiny MoE model under EP 2, FSDP 2 and TP 2, each against one
-process — loss and grad norm within 1e-5 relative at step 1 and 1e-4 through step 10, as
-tests/e2e/test_parity.py holds Llama. Agreement with transformers' own Qwen3 is
-tests/unit/test_qwen3_hf.py.
+rank's heads; also compiled, and with selective activation checkpointing), PP 2 and CP 2, and the
+tiny MoE model under EP 2, FSDP 2 and TP 2, each against one process — loss and grad norm within
+1e-5 relative at step 1 and 1e-4 through step 10, as tests/e2e/test_parity.py holds Llama.
+Agreement with transformers' own Qwen3 is tests/unit/test_qwen3_hf.py.
 
 The MoE model's auxiliary loss is computed per microbatch (per rank's rows), so its reference takes
 the global batch of 8 as two microbatches of 4: the rows each rank of a 2-way layout holds.
@@ -22,6 +22,10 @@ DENSE_LAYOUTS = {
     "tp2": ["--parallelism.tensor_parallel_degree", "2"],
     "pp2": ["--parallelism.pipeline_parallel_degree", "2"],
     "cp2": ["--parallelism.context_parallel_degree", "2"],
+    # The QK-norms' DTensors inside compiled attention, and recomputed under activation checkpointing.
+    "tp2_compile": ["--parallelism.tensor_parallel_degree", "2", "--compile.enable"],
+    "tp2_ac_selective": ["--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode",
+                         "selective", "--activation_checkpoint.selective_ac_option", "op"],
 }
 MOE_LAYOUTS = {
     "ep2": [*HALF, "--parallelism.expert_parallel_degree", "2"],
