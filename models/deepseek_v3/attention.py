@@ -11,6 +11,7 @@ models/common/attention.py (context parallel, generation's KV cache).
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from models.common.attention import causal_attention, document_causal_attention
@@ -57,6 +58,9 @@ class MultiHeadLatentAttention(nn.Module):
         # Tensor parallel: each rank uses the shared rotary key for its own heads only, so the
         # gradient of k_pe is a partial sum there; TP sets this to sum it (parallelize.py).
         self.shared_key_grad_sync: Callable[[torch.Tensor], torch.Tensor] = _identity
+        # Context parallel's ring attention gathers keys and values stacked, so it needs them equally
+        # wide: CP sets this to pad values with zeros to the key width (and cut the output back).
+        self.pad_values_to_keys = False
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -78,10 +82,15 @@ class MultiHeadLatentAttention(nn.Module):
         if self.query_factor != 1.0:
             q = q * self.query_factor
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bsz, heads, seq, head_dim]
+        pad = q.shape[-1] - v.shape[-1] if self.pad_values_to_keys else 0
+        if pad > 0:
+            v = F.pad(v, (0, pad))
         if doc_ids is None:
             out = self.core_attention(q, k, v)
         else:
             out = document_causal_attention(q, k, v, doc_ids)
+        if pad > 0:
+            out = out[..., : self.v_head_dim]
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, std_out: float) -> None:

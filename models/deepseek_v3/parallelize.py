@@ -1,7 +1,8 @@
 """Parallelize the DeepSeek-V3 model: the MoE family's order and pieces (parallelize_moe: TP or EP
-for the MoE layers, the experts sharded over what EP leaves, then AC → compile → FSDP) with a
+for the MoE layers, the experts sharded over what EP leaves, then CP → AC → compile → FSDP) with a
 tensor-parallel plan of its own for multi-head latent attention. Pipeline parallel cuts it as any
-model of the contract; context parallel is refused (check_deepseek_v3 says why).
+model of the contract; under context parallel MLA pads its values to the keys' width, as the ring
+attention gathers keys and values stacked (MultiHeadLatentAttention.pad_values_to_keys).
 
 TP for MLA, as TorchTitan's: the low-rank down projections (wq_a, wkv_a) and their norms run whole on
 every TP rank (ReplicateParallel), the up projections (wq or wq_b, wkv_b) split the heads column-wise
@@ -47,10 +48,10 @@ def mla_plan(float8: bool = False, *, q_lora: bool) -> dict[str, ParallelStyle]:
 
 def parallelize_deepseek_v3(model: nn.Module, dims: ParallelDims, options: ParallelOptions) -> nn.Module:
     """Turn the plain (meta-device) model into this rank's part of the parallel model, in place."""
-    if dims.tp > 1:
-        sync = sum_gradients_over(dims.mesh("tp"))
-        for block in model.layers.values():
-            block.attention.shared_key_grad_sync = sync
+    for block in model.layers.values():
+        if dims.tp > 1:
+            block.attention.shared_key_grad_sync = sum_gradients_over(dims.mesh("tp"))
+        block.attention.pad_values_to_keys = dims.cp > 1
     return parallelize_moe(model, dims, options, partial(mla_plan, q_lora=bool(model.args.q_lora_rank)))
 
 
@@ -65,10 +66,6 @@ def check_deepseek_v3(args: DeepSeekV3Args, dims: ParallelDims) -> list[str]:
     elif not 1 <= m.top_k_groups <= m.num_groups or m.top_k > m.top_k_groups * per_group:
         out.append(f"the MoE layers choose top_k = {m.top_k} experts within top_k_groups = {m.top_k_groups} "
                    f"of {m.num_groups} groups of {per_group}")
-    if dims.cp > 1:
-        out.append(f"context_parallel_degree {dims.cp}: model deepseek_v3 does not support context parallel "
-                   f"yet (its ring attention gathers keys and values stacked, and MLA's values have "
-                   f"{args.v_head_dim} dims per head where its keys have {args.qk_head_dim}); set it to 1")
     if dims.tp > 1:
         sizes = {"the dense blocks' hidden size": args.inter_dim, "the experts' hidden size": m.hidden_dim,
                  "the shared experts' hidden size": m.hidden_dim * m.num_shared_experts}

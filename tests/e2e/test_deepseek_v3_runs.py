@@ -1,13 +1,13 @@
 """DeepSeek-V3 in the parallel layouts it supports: the tiny model (multi-head latent attention with
 low-rank queries, a dense block, then an MoE block with group-limited routing) under FSDP 2, EP 2,
-TP 2 (MLA's plan) and PP 2, each against one process — loss and grad norm within 1e-5 relative at
-step 1 and 1e-4 through step 10, as tests/e2e/test_parity.py holds Llama, and the same expert loads.
-CP is refused at start-up in one line (models/deepseek_v3/parallelize.py). Agreement with transformers' own
+TP 2 (MLA's plan), PP 2 and CP 2 (values padded to the keys' width), each against one process —
+loss and grad norm within 1e-5 relative at step 1 and 1e-4 through step 10, as
+tests/e2e/test_parity.py holds Llama, and the same expert loads. Agreement with transformers' own
 DeepseekV3ForCausalLM is tests/unit/test_deepseek_v3_hf.py."""
 
 import pytest
 
-from tests.helpers.runs import TINY, check_ok, dump_args, fails_with, relative, run_train, train_rows
+from tests.helpers.runs import TINY, check_ok, dump_args, relative, run_train, train_rows
 
 DEEPSEEK = [*TINY, "--model.name", "deepseek_v3", "--model.flavor", "tiny",
             "--training.global_batch_size", "8"]
@@ -17,6 +17,7 @@ LAYOUTS = {
     "ep2": [*HALF, "--parallelism.expert_parallel_degree", "2"],
     "tp2": [*HALF, "--parallelism.tensor_parallel_degree", "2"],
     "pp2": ["--parallelism.pipeline_parallel_degree", "2"],
+    "cp2": ["--parallelism.context_parallel_degree", "2"],
 }
 
 
@@ -45,8 +46,3 @@ def test_layout_matches_single_process(layout, reference, tmp_path, data_cache):
             layout, ref["step"], got["grad_norm"], ref["grad_norm"])
         assert got["moe_load"] == ref["moe_load"], (layout, ref["step"])
 
-
-def test_context_parallel_is_refused_in_one_line(tmp_path, data_cache):
-    cp2 = ["--parallelism.context_parallel_degree", "2"]
-    proc = run_train([*DEEPSEEK, *cp2, *dump_args(tmp_path, data_cache)], nproc=2)
-    fails_with(proc, "deepseek_v3", "context_parallel_degree", torchrun=True)

@@ -211,3 +211,15 @@ def test_flavor_yarn_scales():
     assert isinstance(v3.rope_scaling, YarnScaling)
     assert yarn_table_factor(v3.rope_scaling) == 1.0
     assert yarn_softmax_factor(v3.rope_scaling) == pytest.approx((0.1 * math.log(40) + 1) ** 2)
+
+
+def test_layout_check_names_what_tp_cannot_split():
+    from types import SimpleNamespace
+
+    from models.deepseek_v3.parallelize import check_deepseek_v3
+    tiny = get_model_spec("deepseek_v3").flavors["tiny"]
+    assert check_deepseek_v3(tiny, SimpleNamespace(tp=2, cp=2)) == []
+    problems = check_deepseek_v3(tiny, SimpleNamespace(tp=3, cp=1))
+    assert any("tensor_parallel_degree 3" in p and "128" in p for p in problems), problems
+    bad = dataclasses.replace(tiny, moe=dataclasses.replace(tiny.moe, num_groups=3))
+    assert "groups" in check_deepseek_v3(bad, SimpleNamespace(tp=1, cp=1))[0]
