@@ -223,3 +223,20 @@ def test_layout_check_names_what_tp_cannot_split():
     assert any("tensor_parallel_degree 3" in p and "128" in p for p in problems), problems
     bad = dataclasses.replace(tiny, moe=dataclasses.replace(tiny.moe, num_groups=3))
     assert "groups" in check_deepseek_v3(bad, SimpleNamespace(tp=1, cp=1))[0]
+
+
+def test_document_mask_keeps_documents_apart():
+    """With document masking and restarted positions, a second document in a window gives the logits
+    it has on its own (MLA's per-row RoPE table and block-causal mask)."""
+    spec = get_model_spec("deepseek_v3")
+    torch.manual_seed(0)
+    model = spec.model_cls(spec.flavors["tiny"])
+    model.init_weights()
+    model.eval()
+    tokens = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(2))
+    tokens[:, 0] = tokens[:, 10] = 1
+    with torch.no_grad():
+        alone = model(tokens[:, 10:])
+        model.document_bos_id, model.restart_positions = 1, True
+        packed = model(tokens)
+    torch.testing.assert_close(packed[:, 10:], alone, rtol=1e-5, atol=1e-5)
