@@ -174,3 +174,34 @@ def test_published_sizes():
         else:
             active = total - inactive_expert_params(args)
             assert (total / 1e9, active / 1e9) == pytest.approx(want, abs=0.1), flavor
+
+
+# The config.json files of the published checkpoints (Qwen/Qwen3-0.6B, -8B, -30B-A3B), as released
+# (transformers 4.51 form: rope_theta, rope_scaling null, num_experts).
+_PUBLISHED_COMMON = {"attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+                     "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "initializer_range": 0.02,
+                     "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_scaling": None,
+                     "rope_theta": 1000000, "sliding_window": None, "torch_dtype": "bfloat16",
+                     "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
+                     "vocab_size": 151936}
+PUBLISHED = {
+    "0.6B": {**_PUBLISHED_COMMON, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+             "hidden_size": 1024, "intermediate_size": 3072, "max_window_layers": 28,
+             "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+             "tie_word_embeddings": True},
+    "8B": {**_PUBLISHED_COMMON, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+           "hidden_size": 4096, "intermediate_size": 12288, "max_window_layers": 36,
+           "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
+           "tie_word_embeddings": False},
+    "30B-A3B": {**_PUBLISHED_COMMON, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                "decoder_sparse_step": 1, "hidden_size": 2048, "intermediate_size": 6144,
+                "max_window_layers": 48, "mlp_only_layers": [], "moe_intermediate_size": 768,
+                "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+                "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+                "output_router_logits": False, "router_aux_loss_coef": 0.001, "tie_word_embeddings": False},
+}
+
+
+@pytest.mark.parametrize("flavor", PUBLISHED)
+def test_published_config_reads_into_the_flavor(flavor):
+    assert args_from_hf(PUBLISHED[flavor]) == get_model_spec("qwen3").flavors[flavor]
