@@ -10,7 +10,7 @@ from planning.rank_plan import RankPlan
 
 
 def gib(nbytes: float) -> str:
-    """Bytes in the unit that reads best: GiB from 1 GiB up, else MiB (KiB for tiny amounts)."""
+    """Bytes in the unit that reads best: GiB from one GiB up, else MiB (KiB for tiny amounts)."""
     if nbytes >= 2**30:
         return f"{nbytes / 2**30:,.2f} GiB"
     if nbytes >= 2**20:
@@ -19,7 +19,7 @@ def gib(nbytes: float) -> str:
 
 
 def _amount(spare_gib: float) -> str:
-    """GiB to spare or short: one decimal from 1 GiB up, finer units below (a tiny device's margin)."""
+    """GiB to spare or short: one decimal from one GiB up, finer units below (a tiny device's margin)."""
     return f"{spare_gib:,.1f} GiB" if abs(spare_gib) >= 1 else gib(abs(spare_gib) * 2**30)
 
 

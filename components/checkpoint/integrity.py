@@ -27,7 +27,7 @@ _CHUNK = 1 << 20
 
 
 def crc32_of(path: Path) -> int:
-    """CRC-32 (zlib) of a file, read in 1 MiB chunks."""
+    """CRC-32 (zlib) of a file, read in chunks of _CHUNK bytes."""
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
