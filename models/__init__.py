@@ -115,6 +115,11 @@ def registered_models() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def registered_specs() -> list[ModelSpec]:
+    """Every registered family, in the order they registered (the built-in ones first)."""
+    return list(_REGISTRY.values())
+
+
 # Built-in families register themselves on import (one line per family; isort would merge them).
 # isort: off
 from models import llama3, moe  # noqa: E402,F401

@@ -12,15 +12,21 @@ from typing import Any
 
 from components.checkpoint.hf_folder import load_hf_config
 from components.runtime.errors import KilnError
-from models import ModelSpec, get_model_spec, registered_models
+from models import ModelSpec, get_model_spec, registered_specs
 
 FLAVOR = "hf_import"  # the flavor name an imported folder registers its shape under
 
 
 def supported_model_types() -> dict[str, str]:
-    """Every importable Hugging Face model_type → the registered family that reads it."""
-    return {t: name for name in registered_models() for t in get_model_spec(name).hf_model_types
-            if get_model_spec(name).args_from_hf is not None}
+    """Every importable Hugging Face model_type → the registered family that reads it. The first
+    family registered for a model_type keeps it: a variant registered later (a copy of llama3's spec
+    under another name, say) does not take the imports over."""
+    families: dict[str, str] = {}
+    for spec in registered_specs():
+        if spec.args_from_hf is not None:
+            for model_type in spec.hf_model_types:
+                families.setdefault(model_type, spec.name)
+    return families
 
 
 def args_from_hf_config(config: dict[str, Any]) -> tuple[ModelSpec, Any]:
