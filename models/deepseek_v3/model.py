@@ -5,11 +5,10 @@ bias, group-limited routing). No torch.distributed here."""
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
+from models.common.block import PreNormBlock
 from models.common.feed_forward import FeedForward
 from models.common.moe import MoE, MoEArgs
-from models.common.norm import RMSNorm
 from models.common.rope import YarnScaling, rope_cache
 from models.deepseek_v3.attention import MultiHeadLatentAttention
 from models.moe.model import MoETransformer
@@ -49,7 +48,7 @@ class DeepSeekV3Args:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
-class DeepSeekV3Block(nn.Module):
+class DeepSeekV3Block(PreNormBlock):
     """Pre-norm block: x + MLA(norm(x)), then + (dense SwiGLU or MoE)(norm(x))."""
 
     def __init__(self, layer_id: int, args: DeepSeekV3Args) -> None:
@@ -57,29 +56,12 @@ class DeepSeekV3Block(nn.Module):
         self.attention = MultiHeadLatentAttention(
             args.dim, args.n_heads, args.q_lora_rank, args.kv_lora_rank, args.qk_nope_head_dim,
             args.qk_rope_head_dim, args.v_head_dim, args.rope_scaling)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.add_norms(layer_id, args)
         self.moe_enabled = layer_id >= args.n_dense_layers
         if self.moe_enabled:
             self.moe = MoE(args.dim, args.moe)
         else:
             self.feed_forward = FeedForward(args.dim, args.inter_dim)
-        depth = layer_id + 1 if args.depth_init else args.n_layers
-        self.init_std = 0.02 / (2 * depth) ** 0.5
-
-    def mlp(self) -> nn.Module:
-        return self.moe if self.moe_enabled else self.feed_forward
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, doc_ids)
-        return h + self.mlp()(self.ffn_norm(h))
-
-    def init_weights(self) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.init_std)
-        self.mlp().init_weights(self.init_std)
 
 
 class DeepSeekV3Transformer(MoETransformer):

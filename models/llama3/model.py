@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from models.common.attention import Attention, attention_flops_per_token
+from models.common.block import PreNormBlock
 from models.common.feed_forward import FeedForward, swiglu_hidden_dim
 from models.common.init import trunc_normal_
 from models.common.norm import RMSNorm
@@ -49,32 +50,14 @@ class LlamaArgs:
         return swiglu_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(PreNormBlock):
     """Pre-norm block: x + attention(norm(x)), then + feed_forward(norm(x))."""
 
     def __init__(self, layer_id: int, args: LlamaArgs) -> None:
         super().__init__()
         self.attention = Attention(args.dim, args.n_heads, args.kv_heads)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        depth = layer_id + 1 if args.depth_init else args.n_layers
-        self.init_std = 0.02 / (2 * depth) ** 0.5
-
-    def mlp(self) -> nn.Module:
-        """The module after the second norm: the feed-forward (a subclass may swap in an MoE layer)."""
-        return self.feed_forward
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, doc_ids)
-        return h + self.mlp()(self.ffn_norm(h))
-
-    def init_weights(self) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.init_std)
-        self.mlp().init_weights(self.init_std)
+        self.add_norms(layer_id, args)
 
 
 class Transformer(nn.Module):

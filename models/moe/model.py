@@ -3,7 +3,6 @@
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from models.common.moe import MoE, MoEArgs
 from models.llama3.model import LlamaArgs, Transformer, TransformerBlock, llama_flops_per_token
@@ -27,9 +26,6 @@ class MoEBlock(TransformerBlock):
         if self.moe_enabled:
             del self.feed_forward
             self.moe = MoE(args.dim, args.moe)
-
-    def mlp(self) -> nn.Module:
-        return self.moe if self.moe_enabled else self.feed_forward
 
 
 class MoETransformer(Transformer):

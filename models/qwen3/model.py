@@ -10,12 +10,11 @@ renormalised, with no shared expert, and balances the load with an auxiliary los
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from models.common.attention import Attention
+from models.common.block import PreNormBlock
 from models.common.feed_forward import FeedForward
 from models.common.moe import MoE, MoEArgs
-from models.common.norm import RMSNorm
 from models.common.rope import rope_cache
 from models.llama3.model import Transformer, llama_flops_per_token
 from models.moe.model import moe_flops_per_token
@@ -48,7 +47,7 @@ class Qwen3Args:
         return None
 
 
-class Qwen3Block(nn.Module):
+class Qwen3Block(PreNormBlock):
     """Pre-norm block: x + attention(norm(x)), then + feed_forward(norm(x)) (or + moe(norm(x)))."""
 
     def __init__(self, layer_id: int, args: Qwen3Args) -> None:
@@ -60,24 +59,7 @@ class Qwen3Block(nn.Module):
             self.moe = MoE(args.dim, args.moe)
         else:
             self.feed_forward = FeedForward(args.dim, args.hidden_dim)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        depth = layer_id + 1 if args.depth_init else args.n_layers
-        self.init_std = 0.02 / (2 * depth) ** 0.5
-
-    def mlp(self) -> nn.Module:
-        return self.moe if self.moe_enabled else self.feed_forward
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, doc_ids)
-        return h + self.mlp()(self.ffn_norm(h))
-
-    def init_weights(self) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.init_std)
-        self.mlp().init_weights(self.init_std)
+        self.add_norms(layer_id, args)
 
 
 class Qwen3Transformer(Transformer):
