@@ -1,5 +1,6 @@
 """Importing a Hugging Face folder without a Kiln config, as a user does it: transformers writes a tiny
-Llama and Mixtral (odd shapes, with a tokenizer), `convert_hf.py from-hf --hf F --out D` reads the
+model of each supported model_type (llama, mixtral, qwen3, qwen3_moe, deepseek_v3; odd shapes, with a
+tokenizer), `convert_hf.py from-hf --hf F --out D` reads the
 shape from F/config.json, `generate.py --checkpoint D` gives transformers' own greedy tokens, and
 `train.py --config D/config.toml` trains from D. What config.json fields are refused is
 tests/unit/test_hf_import.py."""
@@ -34,6 +35,24 @@ CONFIGS = {
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
         hidden_size=64, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512)),
+    # head_dim 24 ≠ 64 / 4, one kv head, tied embeddings (as Qwen3's small sizes).
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
+        hidden_size=64, intermediate_size=100, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=24, tie_word_embeddings=True, max_position_embeddings=512)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=20,
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=36, norm_topk_prob=True,
+        max_position_embeddings=512)),
+    # Full-rank queries (q_lora_rank unset, as V2-Lite), qk 12 + 6 ≠ v 10, a dense block then an MoE
+    # block with 8 experts in 4 groups (top 2 groups), a shared expert, YaRN.
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
+        hidden_size=64, intermediate_size=100, moe_intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=24,
+        qk_nope_head_dim=12, qk_rope_head_dim=6, v_head_dim=10, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, max_position_embeddings=1024, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})),
 }
 
 
@@ -72,7 +91,7 @@ def imported(tmp_path_factory):
     return make
 
 
-@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+@pytest.mark.parametrize("kind", list(CONFIGS))
 def test_generate_gives_transformers_greedy_tokens(imported, kind):
     folder, out = imported(kind)
     for name in (".metadata", "config.json", "tokenizer.json", "tokenizer_config.json", "kiln_model.py",
@@ -95,7 +114,7 @@ def test_generate_gives_transformers_greedy_tokens(imported, kind):
     assert len(got) > 0
 
 
-@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "mixtral", "deepseek_v3"])
 def test_trains_from_the_imported_folder(imported, kind, tmp_path, data_cache):
     _, out = imported(kind)
     proc = run_train(["--config", str(out / "config.toml"), "--training.steps", "2",
