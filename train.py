@@ -222,6 +222,7 @@ class Trainer:
             backend=dist.get_backend() if dist.is_initialized() else "none",
             device_type=self.info.device.type, global_batch=self.global_batch,
             microbatches=self.data.loader.microbatches, data=self.data.description,
+            mtp_depth=model.mtp_depth,
             numerics=self._numerics(), peak=self.peak))
         if self.cfg.comm.gloo_accelerations:  # opt-in, so said whenever asked for
             done = "; ".join(self.model.accelerations) or "none apply to this layout or backend"
@@ -282,7 +283,8 @@ class Trainer:
                 if st.step % cfg.metrics.log_freq == 0 or last:
                     loss, loss_tokens = self.train_step.global_mean(loss_sum, local_tokens)
                     self.metrics.log_step(st.step, loss, grad_norm.item(), lr, st.tokens_seen,
-                                          {"loss_tokens": loss_tokens, **self.moe_metrics()})
+                                          {"loss_tokens": loss_tokens, **self.mtp_metrics(),
+                                           **self.moe_metrics()})
                 if cfg.validation.enable and (st.step % cfg.validation.freq == 0 or last):
                     self.validate()
                 preempted = stop.agreed(self.info.device)
@@ -337,6 +339,14 @@ class Trainer:
                              snapshots)
 
     # ------------------------------------------------------------------ one step
+
+    def mtp_metrics(self) -> dict:
+        """This step's multi-token prediction loss (mean over its depths and tokens), if the model has MTP."""
+        step = self.train_step
+        if not step.mtp_depth:
+            return {}
+        loss, _ = step.global_mean(step.mtp_sum, step.mtp_count)
+        return {"mtp_loss": loss}
 
     def moe_metrics(self) -> dict:
         """This step's tokens per expert and max/mean imbalance of every MoE layer (all stages)."""

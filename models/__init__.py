@@ -7,6 +7,7 @@ down, and checked at registration, in models/protocol.py.
 """
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from torch import nn
 
 from components.config.loading import did_you_mean
 from components.runtime.custom_import import import_custom
+from components.runtime.errors import KilnError
 from models.protocol import check_contract
 
 
@@ -80,14 +82,25 @@ def get_model_args(spec: ModelSpec, flavor: str) -> Any:
     return copy.deepcopy(spec.flavors[flavor])
 
 
+def with_mtp_depth(spec: ModelSpec, args: Any, mtp_depth: int) -> Any:
+    """args with model.mtp_depth applied (-1 keeps the flavor's); a family without multi-token
+    prediction is refused by name."""
+    if mtp_depth < 0 or getattr(args, "mtp_depth", 0) == mtp_depth:
+        return args
+    if not hasattr(args, "mtp_depth"):
+        raise KilnError(f"model.mtp_depth = {mtp_depth}: model {spec.name!r} has no multi-token prediction "
+                        f"(its args {type(args).__name__} have no mtp_depth field)")
+    return dataclasses.replace(args, mtp_depth=mtp_depth)
+
+
 def build_plain_model(name: str, flavor: str, custom_import: str = "", device: str | torch.device = "cpu",
-                      config_dir: str = "") -> tuple[nn.Module, ModelSpec, Any]:
+                      config_dir: str = "", mtp_depth: int = -1) -> tuple[nn.Module, ModelSpec, Any]:
     """(model, spec, args) for one-process tools (conversion, generation): built without random
     init, buffers filled and shared weights tied; the weights are meant to be loaded next."""
     if custom_import:
         import_custom(custom_import, config_dir)
     spec = get_model_spec(name)
-    args = get_model_args(spec, flavor)
+    args = with_mtp_depth(spec, get_model_args(spec, flavor), mtp_depth)
     with torch.device("meta"):
         model = spec.model_cls(args)
     model.to_empty(device=device)

@@ -24,7 +24,8 @@ def apply_fsdp(
     reshard_after_forward: str = "default",
     pipeline_parallel: bool = False,
 ) -> nn.Module:
-    """Shard each block, the embeddings, final norm + output, then the root, with FSDP2.
+    """Shard each block (and multi-token prediction module), the embeddings, final norm + output, then
+    the root, with FSDP2.
 
     A 2-D mesh (dp_replicate, dp_shard_cp) gives HSDP: sharded within a row, replicated across rows
     (DDP when a row is one rank).
@@ -51,6 +52,8 @@ def apply_fsdp(
     # full weights through the loss, where the step's memory peaks.
     for block in model.layers.values():
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    for module in (getattr(model, "mtp", None) or {}).values():  # multi-token prediction, as blocks
+        fully_shard(module, reshard_after_forward=reshard, **kwargs)
     # The norm and the head run last and are needed first in backward: never reshard them. A
     # tied embedding must live in the same FSDP group as the head that shares its weight.
     tail = [m for m in (embed if tied else None, getattr(model, "norm", None), output) if m is not None]

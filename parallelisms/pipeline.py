@@ -95,16 +95,21 @@ def parse_stage_layers(spec: str, n_layers: int, num_stages: int) -> list[list[i
 
 
 def make_stage_model(whole: nn.Module, layers: list[int], first: bool, last: bool) -> nn.Module:
-    """A copy of the (meta-device) model that keeps only `layers`, plus the ends it owns."""
+    """A copy of the (meta-device) model that keeps only `layers`, plus the ends it owns. Multi-token
+    prediction modules (`mtp`) run after the output norm, on the last stage, which then keeps its own
+    copy of the embedding for them (a weight two stages hold: parallelisms/tied_weights.py)."""
     stage = copy.deepcopy(whole)
     for name in list(stage.layers.keys()):
         if int(name) not in layers:
             del stage.layers[name]
-    if not first:
+    mtp = getattr(stage, "mtp", None) is not None
+    if not first and not (last and mtp):
         stage.tok_embeddings = None
     if not last:
         stage.norm = None
         stage.output = None
+        if mtp:
+            stage.mtp = None
     return stage
 
 
@@ -182,14 +187,15 @@ class PipelineRunner:
         return self.loss_fn(output, target) * self.scale
 
     def run(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float,
-            train: bool = True) -> torch.Tensor:
-        """Forward (and backward when train) of the whole batch; the summed loss on the last stage, else 0."""
+            train: bool = True, **kwargs: torch.Tensor) -> torch.Tensor:
+        """Forward (and backward when train) of the whole batch; the summed loss on the last stage, else 0.
+        kwargs (cut into microbatches along with the inputs) reach every stage's forward."""
         self.scale = scale
         losses: list[torch.Tensor] = []
         target = labels if self.has_last else None
         args = (inputs,) if self.has_first else ()
         if train:
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         else:
             self.schedule.eval(*args, target=target, losses=losses)
         total = torch.zeros((), dtype=torch.float32, device=labels.device)

@@ -40,6 +40,22 @@ def transformer_top_plan(shard_logits: bool) -> dict[str, ParallelStyle]:
     }
 
 
+# A multi-token prediction module's own layers (models/common/mtp.py), around its block: the norms
+# sequence-parallel; the projection joining embedding and hidden state gathers the sequence, splits
+# its output features, and sends sequence shards on to the block.
+MTP_PLAN: dict[str, ParallelStyle] = {
+    "enorm": SequenceParallel(),
+    "hnorm": SequenceParallel(),
+    "eh_proj": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(1)),
+    "norm": SequenceParallel(),
+}
+
+
+def model_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks of model.layers, then those of its multi-token prediction modules (if any)."""
+    return [*model.layers.values(), *(m.block for m in (getattr(model, "mtp", None) or {}).values())]
+
+
 def linear_styles(float8: bool) -> tuple[type, type, type]:
     """(column-wise, row-wise, prepare-input) styles for a block's linears: torch's, or with float8
     linears torchao's float8 twins, which cast before the collectives so they move float8 bytes."""
@@ -56,14 +72,17 @@ def linear_styles(float8: bool) -> tuple[type, type, type]:
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, top_plan: dict[str, ParallelStyle],
              block_plan: Callable[[nn.Module], dict[str, ParallelStyle]]) -> None:
-    """Parallelize the model's own modules with top_plan and each block of model.layers with
-    block_plan(block) (blocks of one model may differ, e.g. dense and MoE)."""
+    """Parallelize the model's own modules with top_plan and each block of model.layers (and of its
+    multi-token prediction modules) with block_plan(block) (blocks of one model may differ, e.g.
+    dense and MoE)."""
     top = {k: v for k, v in top_plan.items() if _has(model, k)}
     parallelize_module(model, tp_mesh, top)
     plans = [top]
-    for block in model.layers.values():
+    for block in model_blocks(model):
         plans.append(block_plan(block))
         parallelize_module(block, tp_mesh, plans[-1])
+    for module in (getattr(model, "mtp", None) or {}).values():
+        parallelize_module(module, tp_mesh, MTP_PLAN)
     # What the start-up summary says of this layout: sequence parallel only if the plan has it.
     model.tp_sequence_parallel = any(shards_sequence(style) for plan in plans for style in plan.values())
 

@@ -38,7 +38,7 @@ from training.assembly import (
     build_optimizers,
     build_train_step,
 )
-from training.step import Batch, TrainStep
+from training.step import Batch, Microbatch, TrainStep
 
 
 @dataclass
@@ -134,17 +134,17 @@ class PlannedStep(TrainStep):
             torch.distributed.all_reduce(counts, group=self.loss_group)
         return {}
 
-    def _forward_backward(self, microbatches: Batch, scale: float) -> torch.Tensor:
+    def _forward_backward(self, microbatches: list[Microbatch], scale: float) -> torch.Tensor:
         middle = len(microbatches) - 2
         if middle <= 1:
             return super()._forward_backward(microbatches, scale)
-        loss = self._microbatch(*microbatches[0], scale, last=False)
+        loss = self._microbatch(microbatches[0], scale, last=False)
         before = dict(self.tracker.comm_bytes), dict(self.tracker.comm_calls)
-        loss = loss + self._microbatch(*microbatches[1], scale, last=False)
+        loss = loss + self._microbatch(microbatches[1], scale, last=False)
         for counts, old in zip((self.tracker.comm_bytes, self.tracker.comm_calls), before, strict=True):
             for key in list(counts):  # one middle microbatch measured: counted for all of them
                 counts[key] = old.get(key, 0) + (counts[key] - old.get(key, 0)) * middle
-        return loss + self._microbatch(*microbatches[-1], scale, last=True)
+        return loss + self._microbatch(microbatches[-1], scale, last=True)
 
 
 def allocate_fake(module: nn.Module) -> None:

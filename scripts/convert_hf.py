@@ -51,7 +51,7 @@ warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|loa
 def build_model(cfg: JobConfig) -> tuple[nn.Module, Any]:
     """The plain model of the config on CPU, and its flavor's Hugging Face adapter."""
     model, spec, args = build_plain_model(cfg.model.name, cfg.model.flavor, cfg.job.custom_import,
-                                          config_dir=cfg.config_dir)
+                                          config_dir=cfg.config_dir, mtp_depth=cfg.model.mtp_depth)
     if spec.state_dict_adapter is None:
         raise KilnError(f"model {spec.name!r} has no Hugging Face state-dict adapter")
     return model, spec.state_dict_adapter(args)

@@ -70,8 +70,10 @@ def main(argv: list[str]) -> int:
         cfg = load_config(overrides)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         try:
+            # Generation predicts the next token only: multi-token prediction modules are not built
+            # (nor loaded: a checkpoint load reads the weights the model asks for).
             model, _, args = build_plain_model(cfg.model.name, cfg.model.flavor, cfg.job.custom_import,
-                                               device, cfg.config_dir)
+                                               device, cfg.config_dir, mtp_depth=0)
         except UnknownModelError as e:
             raise KilnError(str(e)) from None
         load_model_weights(model, opts.checkpoint)

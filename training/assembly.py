@@ -19,7 +19,7 @@ from components.optim.lr_schedule import build_lr_scheduler
 from components.optim.optimizer import build_optimizer, embedding_names
 from components.runtime.custom_import import import_custom
 from components.runtime.errors import KilnError
-from models import ModelSpec, UnknownModelError, get_model_args, get_model_spec
+from models import ModelSpec, UnknownModelError, get_model_args, get_model_spec, with_mtp_depth
 from models.protocol import args_problems
 from parallelisms.gloo_accelerations import apply_gloo_accelerations
 from parallelisms.layout_checks import ModelShape, stage_layers
@@ -35,7 +35,7 @@ def load_model_family(cfg: JobConfig) -> tuple[ModelSpec, Any]:
         import_custom(cfg.job.custom_import, cfg.config_dir)
     try:
         spec = get_model_spec(cfg.model.name)
-        args = get_model_args(spec, cfg.model.flavor)
+        args = with_mtp_depth(spec, get_model_args(spec, cfg.model.flavor), cfg.model.mtp_depth)
     except UnknownModelError as e:
         raise KilnError(str(e)) from None
     problems = args_problems(args)  # a flavor added after registration is checked here
@@ -76,8 +76,9 @@ class ModelParts:
     stage_ids: list[int]  # the pipeline stage of each part ([0] without PP)
     num_stages: int
     num_params: int  # of the whole model, a tied weight once
-    tied_names: list[list[str]]  # the names of each weight the model uses twice (tied embeddings)
+    tied_names: list[list[str]]  # the names of each weight two modules or two stages hold (tied embeddings)
     accelerations: list[str]  # what comm.gloo_accelerations changed (nothing off gloo)
+    mtp_depth: int = 0  # multi-token prediction modules of the model (on its last stage)
 
 
 def build_model_parts(spec: ModelSpec, args: Any, dims: ParallelDims, options: ParallelOptions,
@@ -89,6 +90,9 @@ def build_model_parts(spec: ModelSpec, args: Any, dims: ParallelDims, options: P
         whole = spec.model_cls(args)
     num_params = sum(p.numel() for p in whole.parameters())
     tied = shared_parameter_names(whole)
+    mtp_depth = len(getattr(whole, "mtp", None) or ())
+    if mtp_depth and dims.pp > 1 and not any("tok_embeddings.weight" in names for names in tied):
+        tied.append(["tok_embeddings.weight"])  # the last stage's copy for the MTP modules
     if convert is not None:
         convert(whole)
     if dims.pp == 1:
@@ -104,7 +108,7 @@ def build_model_parts(spec: ModelSpec, args: Any, dims: ParallelDims, options: P
         spec.parallelize_fn(part, dims, options)
         if options.gloo_accelerations:
             accelerations += [a for a in apply_gloo_accelerations(part) if a not in accelerations]
-    return ModelParts(parts, ids, num_stages, num_params, tied, accelerations)
+    return ModelParts(parts, ids, num_stages, num_params, tied, accelerations, mtp_depth)
 
 
 OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
@@ -141,5 +145,6 @@ def build_train_step(cfg: JobConfig, model: ModelParts, optimizers: list[Any], s
                      after_optimizer_step: Callable[[], None] | None = None, *,
                      step_class: type[TrainStep] = TrainStep, stage_shapes: Any = None) -> TrainStep:
     """The training step over this rank's parts (the planner passes its measuring subclass)."""
-    setup = StepSetup(dims, options, device, cfg.training.max_norm, global_batch, after_optimizer_step)
+    setup = StepSetup(dims, options, device, cfg.training.max_norm, global_batch, after_optimizer_step,
+                      mtp_loss_weight=cfg.model.mtp_loss_weight)
     return step_class(model, optimizers, schedulers, setup, stage_shapes=stage_shapes)

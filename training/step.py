@@ -21,6 +21,7 @@ from components.config.parallel_options import ParallelOptions
 from components.optim.expert_balance import balance_experts, moe_layers, reset_expert_load, set_aux_loss_scale
 from components.optim.grad_norm import clip_grad_norm
 from components.runtime.tensor_utils import local_tensor
+from models.common.mtp import next_tokens_of
 from parallelisms.context_parallel import head_tail_positions, shard_sequence
 from parallelisms.fsdp import set_gradient_sync
 from parallelisms.parallel_dims import ParallelDims
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
     from training.assembly import ModelParts
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]  # a step's microbatches of (inputs, labels)
+# A microbatch as the step runs it: inputs, labels, and with multi-token prediction the next tokens
+# (models/common/mtp.py), each this rank's share of the sequence.
+Microbatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 IGNORE_INDEX = -100  # a label that counts nothing (no loss, no token)
 
 
@@ -53,6 +57,7 @@ class StepSetup:
     max_norm: float
     global_batch: int
     after_optimizer_step: Callable[[], None] | None = None  # the model converters' hook (float8 scales)
+    mtp_loss_weight: float = 0.3  # of the multi-token prediction loss, the mean over its depths
 
 
 class TrainStep:
@@ -80,6 +85,14 @@ class TrainStep:
         # MoE layers (if any): their expert load moves the expert bias after each step.
         self.moe_layers = moe_layers(parts)
         self.expert_load: dict[str, list[int]] = {}
+        # Multi-token prediction: the model's modules leave their summed loss on the last stage's
+        # part; each depth's sum gets weight / depth, and this step's sum and tokens are kept to log.
+        self.mtp_depth = model.mtp_depth
+        self.mtp_weight = setup.mtp_loss_weight / max(model.mtp_depth, 1)
+        last_parts = [p for p, i in zip(parts, model.stage_ids, strict=True) if i == model.num_stages - 1]
+        self.mtp_part = last_parts[0] if self.mtp_depth and last_parts else None
+        self.mtp_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.mtp_count = torch.zeros((), dtype=torch.float64, device=self.device)
         self.pipeline = (self._build_pipeline(model, setup, stage_shapes) if dims.pp > 1 else None)
         # A tied embedding cut into two stages' copies stays one weight (parallelisms/tied_weights.py).
         self.tied = (TiedWeightSync(parts, model.stage_ids, model.tied_names, dims, options.pp_schedule,
@@ -90,23 +103,49 @@ class TrainStep:
         """The schedule over this rank's stages; a step's rows per rank split into microbatches."""
         n_microbatches = setup.global_batch // self.dims.dp // setup.options.pp_microbatch_size
         stages = build_stages(self.parts, model.stage_ids, model.num_stages, self.device,
-                              self.dims.mesh("pp"), lambda: reset_expert_load(self.moe_layers), shapes)
-        return PipelineRunner(setup.options.pp_schedule, stages, n_microbatches, self.loss_fn,
+                              self.dims.mesh("pp"), self._after_shape_inference, shapes)
+        return PipelineRunner(setup.options.pp_schedule, stages, n_microbatches, self._loss_with_mtp,
                               model.num_stages)
+
+    def _after_shape_inference(self) -> None:
+        """Undo what the pipeline's shape-inference pass left: expert load counts, an MTP loss and
+        its count in this step's sums."""
+        reset_expert_load(self.moe_layers)
+        if self.mtp_part is not None:
+            self.mtp_part.mtp_loss = None
+        self.mtp_sum.zero_()
+        self.mtp_count.zero_()
+
+    def _loss_with_mtp(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed cross-entropy, plus the weighted MTP loss the forward just left (if any)."""
+        return self.loss_fn(logits, labels) + self._take_mtp_loss()
+
+    def _take_mtp_loss(self) -> torch.Tensor | float:
+        """The weighted MTP loss of the last forward (0 without one), counted for the step's log."""
+        loss = self.mtp_part.mtp_loss if self.mtp_part is not None else None
+        if loss is None:
+            return 0.0
+        self.mtp_part.mtp_loss = None
+        self.mtp_sum += local_tensor(loss.detach()).double()
+        self.mtp_count += local_tensor(self.mtp_part.mtp_tokens).double()
+        return self.mtp_weight * loss
 
     def __call__(self, microbatches: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns this rank's summed loss and token count, and the global grad norm."""
-        microbatches = [self.shard_sequence(x, y) for x, y in microbatches]
-        local_tokens, global_tokens = self.count_tokens(microbatches)
+        self.mtp_sum.zero_()
+        self.mtp_count.zero_()
+        step = [self.shard_sequence(x, y, next_tokens_of(y, self.mtp_depth) if self.mtp_depth else None)
+                for x, y in microbatches]
+        local_tokens, global_tokens = self.count_tokens([(x, y) for x, y, _ in step])
         # Every rank's loss is a sum over its tokens scaled by dp·cp / global tokens: the gradient
         # average over data- and context-parallel ranks (÷ dp·cp) then yields the gradient of the
         # mean over the global batch.
         scale = self.dims.dp * self.dims.cp / global_tokens
         set_aux_loss_scale(self.moe_layers, scale)
         if self.pipeline is not None:
-            loss_sum = self._pipeline_forward_backward(microbatches, scale)
+            loss_sum = self._pipeline_forward_backward(step, scale)
         else:
-            loss_sum = self._forward_backward(microbatches, scale)
+            loss_sum = self._forward_backward(step, scale)
         return loss_sum, local_tokens, self._optimizer_step()
 
     def count_tokens(self, microbatches: Batch) -> tuple[torch.Tensor, float]:
@@ -118,30 +157,32 @@ class TrainStep:
             dist.all_reduce(total, group=self.loss_group)
         return local, total.item()
 
-    def _forward_backward(self, microbatches: Batch, scale: float) -> torch.Tensor:
+    def _forward_backward(self, microbatches: list[Microbatch], scale: float) -> torch.Tensor:
         """Gradient accumulation over the microbatches; data-parallel sync on the last one only."""
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for i, (inputs, labels) in enumerate(microbatches):
-            loss_sum += self._microbatch(inputs, labels, scale, last=i == len(microbatches) - 1)
+        for i, microbatch in enumerate(microbatches):
+            loss_sum += self._microbatch(microbatch, scale, last=i == len(microbatches) - 1)
         return loss_sum
 
-    def _microbatch(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float, last: bool
-                    ) -> torch.Tensor:
-        """Forward and backward of one microbatch; returns its summed loss."""
+    def _microbatch(self, microbatch: Microbatch, scale: float, last: bool) -> torch.Tensor:
+        """Forward and backward of one microbatch; returns its summed (main) loss."""
         model = self.parts[0]
         set_gradient_sync(model, last)
-        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        inputs, labels, next_tokens = (t.to(self.device) if t is not None else None for t in microbatch)
+        kwargs = {"next_tokens": next_tokens} if next_tokens is not None else {}
         with loss_context(self.loss_parallel):
-            loss = self.loss_fn(model(inputs), labels)
-            (loss * scale).backward()
+            loss = self.loss_fn(model(inputs, **kwargs), labels)
+            ((loss + self._take_mtp_loss()) * scale).backward()
         return local_tensor(loss.detach())
 
-    def _pipeline_forward_backward(self, microbatches: Batch, scale: float) -> torch.Tensor:
+    def _pipeline_forward_backward(self, microbatches: list[Microbatch], scale: float) -> torch.Tensor:
         """The whole step's rows through the pipeline schedule (it cuts its own microbatches)."""
-        inputs = torch.cat([x for x, _ in microbatches]).to(self.device)
-        labels = torch.cat([y for _, y in microbatches]).to(self.device)
+        inputs, labels = (torch.cat([m[i] for m in microbatches]).to(self.device) for i in (0, 1))
+        kwargs = ({"next_tokens": torch.cat([m[2] for m in microbatches]).to(self.device)}
+                  if self.mtp_depth else {})
         with loss_context(self.loss_parallel):
-            return self.pipeline.run(inputs, labels, scale)
+            total = self.pipeline.run(inputs, labels, scale, **kwargs)
+        return total - self.mtp_weight * self.mtp_sum.float()  # the main loss alone
 
     def _optimizer_step(self) -> torch.Tensor:
         """Clip by the global grad norm (across meshes and stages), step, move the MoE expert bias
@@ -169,11 +210,12 @@ class TrainStep:
         """Move every MoE layer's expert bias from this step's global load; returns the load."""
         return balance_experts(self.moe_layers, self.loss_group)
 
-    def shard_sequence(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's share of the sequences under context parallel (all of them otherwise)."""
+    def shard_sequence(self, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """This rank's share of the sequences (dimension 1) under context parallel (all of them
+        otherwise); None stays None."""
         if self.cp_positions is None:
-            return inputs, labels
-        return shard_sequence(inputs, self.cp_positions), shard_sequence(labels, self.cp_positions)
+            return tensors
+        return tuple(shard_sequence(t, self.cp_positions) if t is not None else None for t in tensors)
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], local_batch: int

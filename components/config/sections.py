@@ -69,6 +69,14 @@ class Model:
         "", "comma-separated model converters applied before parallelizing, e.g. 'float8' (the [float8] "
         "extra); more can be registered with components.converters.register_model_converter"
     )
+    mtp_depth: int = _opt(
+        -1, "multi-token prediction modules after the main model (DeepSeek-V3's MTP; a family whose args "
+        "have mtp_depth): 0 = none, -1 = the flavor's"
+    )
+    mtp_loss_weight: float = _opt(
+        0.3, "weight of the MTP loss (the mean over its depths) added to the main loss (DeepSeek-V3: 0.3, "
+        "then 0.1 late in training)"
+    )
 
 
 @dataclass

@@ -103,7 +103,7 @@ class MetricsLogger:
     def log_step(self, step: int, loss: float, grad_norm: float, lr: float, tokens: int,
                  extra: dict | None = None) -> dict:
         """Emit one training row; `tokens` is the total trained on so far (all devices); `extra`
-        joins the row (MoE: moe_load and moe_imbalance per layer)."""
+        joins the row (MoE: moe_load and moe_imbalance per layer; multi-token prediction: mtp_loss)."""
         now = time.perf_counter()
         elapsed = max(now - self._last_time, 1e-9)
         tps = self._tokens_since / elapsed
@@ -120,14 +120,14 @@ class MetricsLogger:
         }
         if self.is_main:
             width = len(str(self.total_steps))
-            moe = ""
+            tail = f"  mtp {row['mtp_loss']:7.4f}" if "mtp_loss" in row else ""
             if row.get("moe_imbalance"):
                 worst = max(row["moe_imbalance"].items(), key=lambda kv: kv[1])
-                moe = f"  experts max/mean {worst[1]:.2f} (layer {worst[0]})"
+                tail += f"  experts max/mean {worst[1]:.2f} (layer {worst[0]})"
             print(
                 f"{self._progress(step)}step {step:>{width}}/{self.total_steps}  loss {loss:7.4f}  "
                 f"grad {grad_norm:7.3f}  lr {lr:.2e}  {tps:9,.0f} tok/s/dev  {tflops:6.3f} TFLOP/s  "
-                f"MFU {mfu:5.2f}%  mem {row['mem_gib']:.2f} GiB  eta {self.eta(step, now)}{moe}",
+                f"MFU {mfu:5.2f}%  mem {row['mem_gib']:.2f} GiB  eta {self.eta(step, now)}{tail}",
                 flush=True,
             )
             self._write(row)

@@ -24,6 +24,7 @@ class RunFacts:
     data: str  # the data line
     numerics: str  # what computes in which dtype, as the layout really does it
     peak: PeakFlops
+    mtp_depth: int = 0  # multi-token prediction modules
 
 
 def startup_summary(cfg: JobConfig, run: RunFacts) -> str:
@@ -33,7 +34,9 @@ def startup_summary(cfg: JobConfig, run: RunFacts) -> str:
     return "\n".join([
         f"Kiln · {cfg.model.name}/{cfg.model.flavor} · {run.num_params / 1e6:,.2f}M parameters "
         f"({(run.num_params - run.embedding_params) / 1e6:,.2f}M non-embedding) · "
-        f"{run.flops_per_token / 1e6:,.1f} MFLOP/token",
+        f"{run.flops_per_token / 1e6:,.1f} MFLOP/token"
+        + (f" · multi-token prediction: {run.mtp_depth} module{'s' if run.mtp_depth > 1 else ''}, "
+           f"loss weight {cfg.model.mtp_loss_weight:g}" if run.mtp_depth else ""),
         f"layout  world {run.world_size}{nodes} = {run.layout} ({run.backend}, {run.device_type})",
         f"batch   global {run.global_batch} × seq {t.seq_len} = {run.global_batch * t.seq_len:,} "
         f"tokens/step; local {t.local_batch_size} × {run.microbatches} microbatch(es) per rank",

@@ -52,11 +52,11 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
                     route_scale=16.0, num_groups=8, top_k_groups=3),
     ),
     # DeepSeek-V3 (and R1): 256 experts (top 8 within 4 of 8 groups, 1 shared), sigmoid scores
-    # renormalised and scaled by 2.5, first 3 blocks dense.
+    # renormalised and scaled by 2.5, first 3 blocks dense, one multi-token prediction module.
     "671B": DeepSeekV3Args(
         dim=7168, n_layers=61, n_heads=128, vocab_size=129280, max_seq_len=163840, q_lora_rank=1536,
         kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, inter_dim=18432,
-        n_dense_layers=3, rope_scaling=_V3_YARN,
+        n_dense_layers=3, rope_scaling=_V3_YARN, mtp_depth=1,
         moe=MoEArgs(num_experts=256, top_k=8, hidden_dim=2048, num_shared_experts=1, score_func="sigmoid",
                     route_norm=True, route_scale=2.5, num_groups=8, top_k_groups=4),
     ),

@@ -36,6 +36,9 @@ class DeepSeekV3Args:
     rope_theta: float = 10000.0
     rope_scaling: YarnScaling | None = None
     tie_embeddings: bool = False
+    # Multi-token prediction modules after the main model (models/common/mtp.py; transformers'
+    # num_nextn_predict_layers): DeepSeek-V3 trains with one.
+    mtp_depth: int = 0
     depth_init: bool = True  # scale output-projection init by the layer index, as TorchTitan does
 
     @property
@@ -77,14 +80,19 @@ class DeepSeekV3Transformer(MoETransformer):
 
 
 def inactive_expert_params(args: DeepSeekV3Args) -> int:
-    """Parameters a token does not use: the routed experts each MoE layer does not choose for it."""
+    """Parameters a token does not use: the routed experts each MoE layer (the multi-token prediction
+    modules' blocks included) does not choose for it."""
     m = args.moe
-    return (args.n_layers - args.n_dense_layers) * (m.num_experts - m.top_k) * 3 * args.dim * m.hidden_dim
+    moe_layers = args.n_layers - args.n_dense_layers + args.mtp_depth
+    return moe_layers * (m.num_experts - m.top_k) * 3 * args.dim * m.hidden_dim
 
 
 def deepseek_v3_flops_per_token(args: DeepSeekV3Args, num_params: int, seq_len: int) -> int:
-    """Training FLOPs per token: 6 per active non-embedding parameter, plus the causal score (q·k over
-    qk_head_dim) and value (over v_head_dim) matmuls, forward and backward (the mask not credited)."""
+    """Training FLOPs per token: 6 per active non-embedding parameter (the output head once more per
+    multi-token prediction depth), plus the causal score (q·k over qk_head_dim) and value (over
+    v_head_dim) matmuls of every block, forward and backward (the mask not credited)."""
     embedding = 0 if args.tie_embeddings else args.vocab_size * args.dim
-    dense = num_params - inactive_expert_params(args) - embedding
-    return 6 * dense + 6 * args.n_layers * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
+    extra_heads = args.mtp_depth * args.vocab_size * args.dim  # the head runs once more per depth
+    dense = num_params - inactive_expert_params(args) - embedding + extra_heads
+    blocks = args.n_layers + args.mtp_depth
+    return 6 * dense + 6 * blocks * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len

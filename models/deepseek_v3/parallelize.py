@@ -21,7 +21,7 @@ from components.config.parallel_options import ParallelOptions
 from models.deepseek_v3.model import DeepSeekV3Args
 from models.moe.parallelize import parallelize_moe
 from parallelisms.parallel_dims import ParallelDims
-from parallelisms.tensor_parallel import ReplicateParallel, linear_styles, sum_gradients_over
+from parallelisms.tensor_parallel import ReplicateParallel, linear_styles, model_blocks, sum_gradients_over
 
 
 def mla_plan(float8: bool = False, *, q_lora: bool) -> dict[str, ParallelStyle]:
@@ -48,7 +48,7 @@ def mla_plan(float8: bool = False, *, q_lora: bool) -> dict[str, ParallelStyle]:
 
 def parallelize_deepseek_v3(model: nn.Module, dims: ParallelDims, options: ParallelOptions) -> nn.Module:
     """Turn the plain (meta-device) model into this rank's part of the parallel model, in place."""
-    for block in model.layers.values():
+    for block in model_blocks(model):
         if dims.tp > 1:
             block.attention.shared_key_grad_sync = sum_gradients_over(dims.mesh("tp"))
         block.attention.pad_values_to_keys = dims.cp > 1

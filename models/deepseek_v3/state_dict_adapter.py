@@ -6,8 +6,12 @@ per expert, `mlp.gate.weight` and `mlp.gate.e_score_correction_bias` (Kiln's exp
 transformers 4 reads as is and transformers 5 fuses on load; read from that layout or from
 transformers 5's fused `mlp.experts.gate_up_proj` [E, 2·I, dim] / `mlp.experts.down_proj`. RoPE rows
 need no permutation: DeepSeek's checkpoints keep the rotary pairs interleaved, as Kiln does
-(transformers' rope_interleave). The multi-token-prediction layers of a release (the blocks past
-num_hidden_layers) are not part of the model transformers runs either, and are left out.
+(transformers' rope_interleave). A release's multi-token-prediction modules are the blocks past
+num_hidden_layers (num_nextn_predict_layers of them; transformers runs none): block j holds an MTP
+block's weights under the usual names plus enorm, hnorm, eh_proj and shared_head.norm, and copies of
+the embedding and the head (embed_tokens, shared_head.head) that Kiln shares with the main model —
+read past on import, written on export as the releases have them. A flavor without MTP (mtp_depth
+0, and every import without --config) reads past a release's MTP blocks altogether.
 """
 
 import copy
@@ -45,7 +49,13 @@ BLOCK_NAMES = {  # Kiln name inside block {i} → Hugging Face name inside model
     "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
     "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
 }
+MTP_NAMES = {  # Kiln name inside mtp.{j} → Hugging Face name inside model.layers.{j} (j ≥ n_layers)
+    "enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
+}
+MTP_SHARED = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
 EXPERT_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+KILN_MTP = re.compile(r"mtp\.(\d+)\.(.+)")
 KILN_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
 HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 HF_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -63,6 +73,12 @@ class DeepSeekV3StateDictAdapter:
         for name, w in sd.items():
             if name == "output.weight" and self.args.tie_embeddings:
                 continue  # transformers ties lm_head to embed_tokens itself
+            mtp = KILN_MTP.fullmatch(name)
+            if mtp and mtp[2] in MTP_NAMES:
+                out[f"model.layers.{mtp[1]}.{MTP_NAMES[mtp[2]]}"] = w
+                continue
+            if mtp and mtp[2].startswith("block."):  # an MTP block: named as a block of its index
+                name = f"layers.{mtp[1]}.{mtp[2].removeprefix('block.')}"
             m = KILN_BLOCK.fullmatch(name)
             if m and m[2].startswith("moe.experts.w"):
                 proj = EXPERT_PROJ[m[2][-2:]]
@@ -73,12 +89,21 @@ class DeepSeekV3StateDictAdapter:
             if hf.endswith("?"):
                 raise KilnError(f"parameter {name!r} has no Hugging Face DeepSeek-V3 name")
             out[hf] = w
+        for j in self._mtp_layers():
+            for hf, kiln in MTP_SHARED.items():
+                if kiln in sd:
+                    out[f"model.layers.{j}.{hf}"] = sd[kiln]
         return out
+
+    def _mtp_layers(self) -> range:
+        """The block indices a release gives the MTP modules: right after the main model's."""
+        return range(self.args.n_layers, self.args.n_layers + self.args.mtp_depth)
 
     def from_hf(self, sd: dict[str, Tensor]) -> dict[str, Tensor]:
         """DeepSeek's (or transformers 5's fused) names → Kiln names; every parameter is required."""
         top = {hf: kiln for kiln, hf in TOP_NAMES.items()}
         block = {hf: kiln for kiln, hf in BLOCK_NAMES.items()}
+        mtp_names = {hf: kiln for kiln, hf in MTP_NAMES.items()}
         out: dict[str, Tensor] = {}
         experts: dict[tuple[str, str], dict[int, Tensor]] = {}
         n = self.args.moe.num_experts
@@ -87,7 +112,11 @@ class DeepSeekV3StateDictAdapter:
                 continue
             m = HF_BLOCK.fullmatch(hf)
             if m and int(m[1]) >= self.args.n_layers:
-                continue  # a release's multi-token-prediction block(s): not part of the model
+                if int(m[1]) not in self._mtp_layers() or m[2] in MTP_SHARED:
+                    continue  # MTP modules the flavor leaves out, or copies of shared weights
+                if m[2] in mtp_names:
+                    out[f"mtp.{m[1]}.{mtp_names[m[2]]}"] = w
+                    continue
             e = HF_EXPERT.fullmatch(m[2]) if m else None
             if e:
                 experts.setdefault((m[1], e[2]), {})[int(e[1])] = w
@@ -111,6 +140,9 @@ class DeepSeekV3StateDictAdapter:
             out[f"layers.{layer}.moe.experts.{kiln_proj[proj]}"] = torch.stack([pieces[j] for j in range(n)])
         if self.args.tie_embeddings and "tok_embeddings.weight" in out:
             out["output.weight"] = out["tok_embeddings.weight"]
+        for j in self._mtp_layers():  # an MTP block's weights were read as block j's
+            for name in [k for k in out if k.startswith(f"layers.{j}.")]:
+                out[f"mtp.{j}.block.{name.removeprefix(f'layers.{j}.')}"] = out.pop(name)
         return self._check_complete(out)
 
     def _expected_kiln_keys(self) -> list[str]:
@@ -126,15 +158,19 @@ class DeepSeekV3StateDictAdapter:
             moe += [f"moe.shared_experts.w{i}.weight" for i in (1, 2, 3)]
         blocks = [f"layers.{i}.{name}" for i in range(a.n_layers)
                   for name in attention + (dense if i < a.n_dense_layers else moe)]
-        return ["tok_embeddings.weight", *blocks, "norm.weight", "output.weight"]
+        mtp_block = [f"block.{n}" for n in attention + moe]  # MTP blocks come after the dense ones
+        mtp = [f"mtp.{j}.{name}" for j in self._mtp_layers() for name in [*MTP_NAMES, *mtp_block]]
+        return ["tok_embeddings.weight", *blocks, "norm.weight", "output.weight", *mtp]
 
     def _check_complete(self, out: dict[str, Tensor]) -> dict[str, Tensor]:
         """Refuse converted weights that miss or add tensors, naming the first one."""
         expected = self._expected_kiln_keys()
         missing = [k for k in expected if k not in out]
         if missing:
+            mtp = (f"; num_nextn_predict_layers = {self.args.mtp_depth} asks for multi-token prediction "
+                   "modules the folder does not hold" if missing[0].startswith("mtp.") else "")
             raise KilnError(f"the Hugging Face weights lack the tensor(s) of Kiln's {missing[0]!r} "
-                            f"({len(missing)} missing)")
+                            f"({len(missing)} missing){mtp}")
         extra = sorted(set(out) - set(expected))
         if extra:
             raise KilnError(f"the Hugging Face weights hold the tensor(s) of Kiln's {extra[0]!r}, which a "
@@ -167,7 +203,7 @@ class DeepSeekV3StateDictAdapter:
             "qk_rope_head_dim": a.qk_rope_head_dim, "v_head_dim": a.v_head_dim, "hidden_act": "silu",
             "attention_bias": False, "rms_norm_eps": a.norm_eps, "rope_theta": float(a.rope_theta),
             "rope_scaling": scaling, "rope_interleave": True, "max_position_embeddings": a.max_seq_len,
-            "tie_word_embeddings": a.tie_embeddings, "num_nextn_predict_layers": 0,
+            "tie_word_embeddings": a.tie_embeddings, "num_nextn_predict_layers": a.mtp_depth,
             "bos_token_id": tokenizer_bos, "eos_token_id": tokenizer_eos, "torch_dtype": dtype,
         }
 
@@ -176,7 +212,7 @@ class DeepSeekV3StateDictAdapter:
         theirs = args_from_hf(config)
         ours = self.args
         for f in dataclasses.fields(ours):
-            if f.name in ("moe", "depth_init"):
+            if f.name in ("moe", "depth_init", "mtp_depth"):  # mtp_depth: a training choice (args_from_hf)
                 continue
             if getattr(theirs, f.name) != getattr(ours, f.name):
                 raise KilnError(f"the Hugging Face config does not match the Kiln flavor: {f.name} is "
@@ -198,7 +234,9 @@ _ONLY = {"hidden_act": "silu", "attention_bias": False, "rope_interleave": True,
 
 def args_from_hf(config: dict[str, Any]) -> DeepSeekV3Args:
     """A Hugging Face DeepSeek-V3 config.json (a dict) → args; every field Kiln does not implement is
-    named in one KilnError."""
+    named in one KilnError. num_nextn_predict_layers is not read: transformers writes 1 into every
+    DeepSeek-V3 config.json it saves, with no MTP weights; multi-token prediction is a training
+    choice (model.mtp_depth), and a flavor with it reads a release's MTP modules (from-hf --config)."""
     c = config
     problems = []
     if c.get("model_type", "deepseek_v3") != "deepseek_v3":

@@ -9,6 +9,12 @@ from models.common.attention import Attention, attention_flops_per_token
 from models.common.block import PreNormBlock
 from models.common.feed_forward import FeedForward, swiglu_hidden_dim
 from models.common.init import trunc_normal_
+from models.common.mtp import (
+    IGNORE_INDEX,
+    MultiTokenPredictionModule,
+    depth_inputs_and_targets,
+    summed_cross_entropy,
+)
 from models.common.norm import RMSNorm
 from models.common.rope import RopeScaling, rope_cache
 
@@ -65,7 +71,9 @@ class Transformer(nn.Module):
 
     Layers live in a ModuleDict keyed by index so that a pipeline stage that deletes some keeps
     the original parameter names; every submodule may be None on a stage that does not own it.
-    A family that changes only the block (MoE) subclasses this and sets `block_cls`.
+    A family that changes only the block (MoE) subclasses this and sets `block_cls`. With
+    args.mtp_depth > 0 (a field the family's args may have) the model also has multi-token
+    prediction modules `mtp`, keyed by the block index each would have after the last block.
     """
 
     block_cls: type[nn.Module] = TransformerBlock
@@ -79,6 +87,15 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        depth = getattr(args, "mtp_depth", 0)
+        self.mtp = nn.ModuleDict({
+            str(args.n_layers + k): MultiTokenPredictionModule(args.dim, args.norm_eps,
+                                                               self.block_cls(args.n_layers + k, args))
+            for k in range(depth)}) if depth else None
+        # The summed cross-entropy of the MTP modules (over depths) and the tokens it counts, left by
+        # the last forward given next_tokens, for the training step to weight and add.
+        self.mtp_loss: torch.Tensor | None = None
+        self.mtp_tokens: torch.Tensor | None = None
         # Not persistent: recomputed by init_buffers(), never stored in checkpoints.
         self.register_buffer("rope_cache", self._make_rope_cache(), persistent=False)
         # Context parallel sets the sequence positions this rank holds (None: 0..seq_len-1).
@@ -92,10 +109,22 @@ class Transformer(nn.Module):
         a = self.args
         return rope_cache(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, next_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [batch, seq] (hidden states on a later pipeline stage) → logits [batch, seq, vocab]
-        (hidden states on an earlier stage)."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        (hidden states on an earlier stage). With MTP modules and next_tokens [batch, seq, depth + 1]
+        (models/common/mtp.py) the modules run too and leave their loss in mtp_loss."""
+        depth = len(self.mtp) if self.mtp is not None and next_tokens is not None else 0
+        mtp_ids, mtp_targets = depth_inputs_and_targets(next_tokens, depth) if depth else ([], [])
+        # Token ids come in on the first stage, hidden states on later ones (whose embedding, when
+        # they have one, serves the MTP modules alone). One embedding call for all ids: FSDP and TP
+        # see each module run once per forward.
+        if tokens.is_floating_point():
+            h = tokens
+            mtp_embedded = self.tok_embeddings(torch.cat(mtp_ids)).chunk(depth) if depth else ()
+        elif depth:
+            h, *mtp_embedded = self.tok_embeddings(torch.cat([tokens, *mtp_ids])).chunk(depth + 1)
+        else:
+            h, mtp_embedded = self.tok_embeddings(tokens), ()
         # Attention slices the table to its sequence length: under sequence parallel (and on a
         # later pipeline stage) h holds only a slice of the sequence.
         rope = self.rope_cache
@@ -111,8 +140,21 @@ class Transformer(nn.Module):
                 rope = rope[index - start_of_doc]  # [batch, seq, head_dim]
         for layer in self.layers.values():
             h = layer(h, rope, doc_ids)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.norm is None:
+            return h
+        h = self.norm(h)
+        if not depth:
+            return self.output(h)
+        # Each depth's normed state; one call of the shared head for the main model and every depth.
+        heads, previous = [h], h
+        for module, embedded in zip(self.mtp.values(), mtp_embedded, strict=True):
+            previous, normed = module(previous, embedded, rope, doc_ids)
+            heads.append(normed)
+        logits, *mtp_logits = self.output(torch.cat(heads)).chunk(depth + 1)
+        self.mtp_loss = sum(summed_cross_entropy(logits_k, targets_k)
+                            for logits_k, targets_k in zip(mtp_logits, mtp_targets, strict=True))
+        self.mtp_tokens = sum((t != IGNORE_INDEX).sum() for t in mtp_targets)
+        return logits
 
     @torch.no_grad()
     def init_buffers(self, device: torch.device | str | None = None) -> None:
@@ -132,6 +174,8 @@ class Transformer(nn.Module):
             nn.init.normal_(self.tok_embeddings.weight, std=std)
         for layer in self.layers.values():
             layer.init_weights()
+        for module in (self.mtp or {}).values():
+            module.init_weights()
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None and not self.args.tie_embeddings:

@@ -46,3 +46,34 @@ def test_layout_matches_single_process(layout, reference, tmp_path, data_cache):
             layout, ref["step"], got["grad_norm"], ref["grad_norm"])
         assert got["moe_load"] == ref["moe_load"], (layout, ref["step"])
 
+
+
+# Multi-token prediction (one MTP module, an MoE block): 4 steps per layout, the MTP loss compared too.
+MTP = [*DEEPSEEK, "--model.mtp_depth", "1", "--training.steps", "4"]
+MTP_LAYOUTS = ["fsdp2", "ep2", "tp2", "pp2", "cp2"]
+
+
+@pytest.fixture(scope="module")
+def mtp_reference(tmp_path_factory, data_cache, reference):
+    dump = tmp_path_factory.mktemp("deepseek_v3_mtp_ref")
+    proc = run_train([*MTP, *dump_args(dump, data_cache)])
+    check_ok(proc)
+    assert "multi-token prediction: 1 module, loss weight 0.3" in proc.stdout
+    rows = train_rows(dump)
+    # The main loss of step 1 is the model's without MTP (same weights); the gradient is not.
+    assert rows[0]["loss"] == reference[0]["loss"]
+    assert relative(rows[0]["grad_norm"], reference[0]["grad_norm"]) > 1e-3
+    assert all(r["mtp_loss"] > 0 for r in rows) and rows[-1]["mtp_loss"] < rows[0]["mtp_loss"]
+    return rows
+
+
+@pytest.mark.parametrize("layout", MTP_LAYOUTS)
+def test_mtp_layout_matches_single_process(layout, mtp_reference, tmp_path, data_cache):
+    check_ok(run_train([*MTP, *LAYOUTS[layout], *dump_args(tmp_path, data_cache)], nproc=2))
+    rows = train_rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for ref, got in zip(mtp_reference, rows, strict=True):
+        tol = 1e-5 if ref["step"] == 1 else 1e-4
+        for key in ("loss", "grad_norm", "mtp_loss"):
+            assert relative(got[key], ref[key]) <= tol, (layout, ref["step"], key, got[key], ref[key])
+        assert got["moe_load"] == ref["moe_load"], (layout, ref["step"])
