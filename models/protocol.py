@@ -14,6 +14,7 @@ so its kv_heads is n_heads; nothing else of the contract assumes q, k and v shar
 and may have
     tie_embeddings   True when the output head shares the embedding's weight (refused under TP)
     moe              an MoE layer's args (num_experts, top_k): the model may use expert parallel
+    mtp_depth        multi-token prediction modules (model.mtp_depth sets it; see `mtp` below)
 
 The model must have
     layers                       an nn.ModuleDict of blocks keyed "0", "1", ...: FSDP, activation
@@ -27,6 +28,12 @@ The model must have
 and may have these ends, each None on a pipeline stage that does not own it (forward skips them):
     tok_embeddings               the first stage's module (all that runs before the blocks)
     norm, output                 the last stage's final norm and output head
+    mtp                          (with mtp_depth) an nn.ModuleDict of multi-token prediction modules
+                                 (models/common/mtp.py), each with a `block`; the last stage's, which
+                                 then keeps a copy of tok_embeddings too (so a stage tells token ids
+                                 from hidden states by dtype). forward(tokens, next_tokens) runs them
+                                 and leaves their summed loss in `mtp_loss` (tokens in `mtp_tokens`)
+                                 for the step to weight; FSDP, TP and EP treat each `block` as a block
 FSDP shards each end as a group of its own; the default TP plan for the ends
 (parallelisms.tensor_parallel.transformer_top_plan) splits the embedding by vocabulary rows and
 the head by vocabulary columns, and loss parallel needs the head's logits sharded over the

@@ -45,10 +45,12 @@ class TiedWeightSync:
         last_owner = next(r for r in range(dims.pp) if num_stages - 1 in stage_ids(r, dims.pp, schedule))
         if last_owner == 0:
             return None
-        ranks = dims.world_mesh.mesh.reshape(dims.pp, -1)  # pp is the outermost mesh dimension
+        # pp is the outermost mesh dimension: stage-rank s, coordinate c of the rest is s × per + c
+        # (arithmetic, not the mesh tensor: the planner builds this under FakeTensorMode).
+        per = dims.world_size // dims.pp
         mine = None
-        for column in range(ranks.shape[1]):  # every rank creates every group, in the same order
-            pair = [int(ranks[0, column]), int(ranks[last_owner, column])]
+        for column in range(per):  # every rank creates every group, in the same order
+            pair = [column, last_owner * per + column]
             group = dist.new_group(pair)
             if dist.get_rank() in pair:
                 mine = group

@@ -236,7 +236,10 @@ def plan_rank(cfg: JobConfig, spec: ModelSpec, args: Any, options: ParallelOptio
         raise KilnError(f"the planner does not plan model.converters ({cfg.model.converters}) yet: it "
                         "would measure the unconverted model; plan without them")
     dims, global_batch = build_layout(cfg, spec, args, world_size, options, device_type)
-    build_options = dataclasses.replace(options, device_type="cpu")  # the fake tensors live on cpu
+    # The fake tensors live on cpu; and the blocks run eager: inductor's compiled kernels would run
+    # on fake tensors' (absent) data. Compiling fuses elementwise ops, which only lowers the peak.
+    options = dataclasses.replace(options, compile=False)
+    build_options = dataclasses.replace(options, device_type="cpu")
     with fake_world(world_size, rank):
         dims.build_mesh("cpu")
         built = build_model_parts(spec, args, dims, build_options)

@@ -119,6 +119,26 @@ def test_a_1024_rank_plan_of_8b():
     assert rank["communication"]["dp_shard"]["reduce-scatter"] > 0 and rank["fits"] is True
 
 
+def test_deepseek_v3_671b_on_1024_ranks():
+    """The shipped config as it stands (compile on, which the planner runs eager): PP 16 × EP 64 ×
+    FSDP 64, the multi-token prediction module and a tied copy of the embedding on the last stage."""
+    proc = plan_cli("--config", "deepseek_v3_671b", "--world-size", "1024", "--no-ac-modes",
+                    "--no-suggestions", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads(proc.stdout)
+    assert plan["model"] == "deepseek_v3/671B" and plan["world_size"] == 1024
+    # 671.0B in the main model (as published) and 11.6B in the MTP module (the release's 14B counts its
+    # copies of the embedding and head, which Kiln shares).
+    assert round(plan["num_params"] / 1e9, 1) == 682.6
+    first, last = plan["ranks"]
+    assert (first["rank"], last["rank"]) == (0, 960)
+    for rank in (first, last):
+        assert rank["fits"] is True, rank
+        assert rank["communication"]["ep"]["all-to-all"] > 0 and "tp" not in rank["communication"]
+    # The last stage holds the MTP block, the head and an embedding copy on top of its share of blocks.
+    assert sum(last["parameters"].values()) > 1.5 * sum(first["parameters"].values())
+
+
 def test_json_shape():
     """The --json plan of PP 2 over 4 ranks. Its peaks per AC mode strictly fall from none to
     selective to full: planned 6,067,764 / 5,869,108 / 5,471,796 bytes on the first stage and
