@@ -52,9 +52,11 @@ def fsdp_float8_all_gather(ctx: ConverterContext) -> bool:
 
 
 def convertible(module: nn.Module, fqn: str, skip: list[str]) -> bool:
-    """A linear inside a block (model.layers), not an MoE router (its scores choose the experts), not
-    named by float8.filter_fqns, with both sides a multiple of 16 (float8 matmuls need it)."""
-    return (isinstance(module, nn.Linear) and fqn.startswith("layers.") and ".router." not in fqn
+    """A linear inside a block (model.layers, or a multi-token prediction module's block), not an MoE
+    router (its scores choose the experts), not named by float8.filter_fqns, with both sides a
+    multiple of 16 (float8 matmuls need it)."""
+    in_block = fqn.startswith("layers.") or (fqn.startswith("mtp.") and ".block." in fqn)
+    return (isinstance(module, nn.Linear) and in_block and ".router." not in fqn
             and not any(s in fqn for s in skip)
             and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 

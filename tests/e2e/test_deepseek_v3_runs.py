@@ -50,7 +50,11 @@ def test_layout_matches_single_process(layout, reference, tmp_path, data_cache):
 
 # Multi-token prediction (one MTP module, an MoE block): 4 steps per layout, the MTP loss compared too.
 MTP = [*DEEPSEEK, "--model.mtp_depth", "1", "--training.steps", "4"]
-MTP_LAYOUTS = ["fsdp2", "ep2", "tp2", "pp2", "cp2"]
+MTP_LAYOUTS = {name: LAYOUTS[name] for name in ("fsdp2", "ep2", "tp2", "pp2", "cp2")} | {
+    # MLA's blocks compiled (with TP's DTensors), and recomputed under activation checkpointing.
+    "tp2_compile": [*LAYOUTS["tp2"], "--compile.enable"],
+    "fsdp2_ac_full": [*HALF, "--activation_checkpoint.mode", "full"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +73,7 @@ def mtp_reference(tmp_path_factory, data_cache, reference):
 
 @pytest.mark.parametrize("layout", MTP_LAYOUTS)
 def test_mtp_layout_matches_single_process(layout, mtp_reference, tmp_path, data_cache):
-    check_ok(run_train([*MTP, *LAYOUTS[layout], *dump_args(tmp_path, data_cache)], nproc=2))
+    check_ok(run_train([*MTP, *MTP_LAYOUTS[layout], *dump_args(tmp_path, data_cache)], nproc=2))
     rows = train_rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for ref, got in zip(mtp_reference, rows, strict=True):

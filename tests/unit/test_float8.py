@@ -129,6 +129,28 @@ def test_float8_leaves_moe_routers_alone() -> None:
     assert any(kind is Float8Linear for kind in linears.values())
 
 
+def test_float8_converts_deepseek_v3_blocks_and_its_mtp_block() -> None:
+    """MLA's projections whose sides are multiples of 16 convert (the tiny flavor's 24-wide query
+    latent and 40-wide kv latent + rotary key do not), and so does the multi-token prediction
+    module's block; its joining projection and the routers stay plain."""
+    import dataclasses
+
+    from models import get_model_args, get_model_spec
+
+    spec = get_model_spec("deepseek_v3")
+    with torch.device("meta"):
+        model = spec.model_cls(dataclasses.replace(get_model_args(spec, "tiny"), mtp_depth=1))
+    ctx = _ctx()
+    convert_model(model, resolve_converters("float8", ctx), ctx)
+    float8 = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    plain = {n for n, m in model.named_modules() if type(m) is nn.Linear}
+    assert {"layers.0.attention.wkv_b", "layers.0.attention.wo", "layers.0.feed_forward.w1",
+            "layers.1.moe.shared_experts.w2", "mtp.2.block.attention.wkv_b", "mtp.2.block.attention.wo",
+            "mtp.2.block.moe.shared_experts.w1"} <= float8
+    assert {"layers.0.attention.wq_a", "layers.0.attention.wkv_a", "layers.1.moe.router.gate",
+            "mtp.2.eh_proj", "mtp.2.block.moe.router.gate", "output"} <= plain
+
+
 def test_float8_all_gather_refuses_float8_only_blocks_on_cpu() -> None:
     """A block of float8 weights alone would be all-gathered as float8, which gloo cannot carry."""
     def linears_only() -> nn.Module:
