@@ -6,6 +6,11 @@ Per head the query is [q_nope (qk_nope_head_dim) | q_pe (qk_rope_head_dim)] and 
 (qk_nope + qk_rope)^-0.5, times YaRN's mscale² when YaRN is on: that extra factor is folded into the
 query, so `core_attention` stays plain causal SDPA over (q, k, v) and can be swapped like the one in
 models/common/attention.py (context parallel, generation's KV cache).
+
+Generation caches what MLA compresses (`make_kv_cache`, models/protocol.py): per token the normed KV
+latent and the rotary key, kv_lora_rank + qk_rope_head_dim numbers (576 in V3, against 128 heads ×
+(192 + 128) keys and values), and attends in the latent space: wkv_b's key half is absorbed into the
+query and its value half applied after the softmax, so the cached tokens are never expanded.
 """
 
 from collections.abc import Callable
@@ -25,6 +30,25 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 
 
 LATENT_NORM_EPS = 1e-6  # the latents' RMSNorms keep DeepSeek's eps whatever the model's norm_eps
+
+
+class LatentKVCache:
+    """Generation's cache of one MLA layer: the normed KV latent [batch, tokens, kv_lora_rank] and
+    the rotated shared key [batch, tokens, qk_rope_head_dim] of every token so far. Installed as the
+    layer's core_attention for the duration of generate(); MLA's forward reads it instead."""
+
+    def __init__(self) -> None:
+        self.latent: torch.Tensor | None = None
+        self.k_pe: torch.Tensor | None = None
+
+    def extend(self, latent: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new tokens' latent and rotary key; returns those of every token so far."""
+        self.latent = latent if self.latent is None else torch.cat([self.latent, latent], dim=1)
+        self.k_pe = k_pe if self.k_pe is None else torch.cat([self.k_pe, k_pe], dim=1)
+        return self.latent, self.k_pe
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("LatentKVCache is read by MultiHeadLatentAttention.forward, not called")
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -72,6 +96,8 @@ class MultiHeadLatentAttention(nn.Module):
         q = q.view(bsz, seqlen, -1, self.qk_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        if isinstance(self.core_attention, LatentKVCache):
+            return self._latent_cached(q_nope, q_pe, self.kv_norm(latent), k_pe, rope)
         kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         rope = rope[:seqlen] if rope.dim() == 2 else rope[:, :seqlen]
@@ -92,6 +118,32 @@ class MultiHeadLatentAttention(nn.Module):
         if pad > 0:
             out = out[..., : self.v_head_dim]
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+    def make_kv_cache(self) -> LatentKVCache:
+        """Generation's cache for this layer: the compressed latent, not the expanded keys and values."""
+        return LatentKVCache()
+
+    def _latent_cached(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                       k_pe: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """Attention of the new tokens over every cached one, in the latent space (one process)."""
+        bsz, new, heads, _ = q_nope.shape
+        rope = rope[:new] if rope.dim() == 2 else rope[:, :new]
+        q_pe = apply_rope(q_pe, rope) * self.query_factor
+        k_pe = apply_rope(k_pe.unsqueeze(2), rope).squeeze(2)
+        latent, k_pe = self.core_attention.extend(latent, k_pe)
+        w = self.wkv_b.weight.view(heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w_key, w_value = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
+        q_latent = torch.einsum("bshd,hdr->bshr", q_nope * self.query_factor, w_key)
+        scores = (torch.einsum("bshr,btr->bhst", q_latent, latent)
+                  + torch.einsum("bshd,btd->bhst", q_pe, k_pe)).float() * self.qk_head_dim**-0.5
+        total = latent.shape[1]
+        if new > 1:  # new token i sits at position total - new + i
+            seen = torch.ones(new, total, dtype=torch.bool, device=scores.device).tril(total - new)
+            scores = scores.masked_fill(~seen, float("-inf"))
+        probs = scores.softmax(-1).to(latent.dtype)
+        out = torch.einsum("bhst,btr->bshr", probs, latent)
+        out = torch.einsum("bshr,hdr->bshd", out, w_value)
+        return self.wo(out.reshape(bsz, new, -1))
 
     def init_weights(self, std_out: float) -> None:
         """Truncated-normal init, the latent norms at one; the output projection gets a depth-scaled std."""

@@ -13,6 +13,7 @@ from components.checkpoint.hf_folder import load_hf_config, load_hf_state, save_
 from components.generation import generate
 from components.runtime.errors import KilnError
 from models import get_model_spec
+from models.common.attention import causal_attention
 from models.common.moe import MoEArgs, TopKRouter
 from models.common.rope import YarnScaling, rope_cache
 from models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter, args_from_hf
@@ -107,6 +108,36 @@ def test_transformers_logits_and_generations_match_kiln(tmp_path, case):
     assert generate(ours, prompt.tolist(), 12, temperature=0, note=lambda _: None) == theirs
     without_cache = generate(_without_kv_hooks(ours), prompt.tolist(), 12, temperature=0, note=lambda _: None)
     assert without_cache == theirs
+
+
+@pytest.mark.parametrize("case", ["v3_yarn_groups", "v2lite_plain"])
+def test_generation_caches_the_compressed_latent(tmp_path, case):
+    """MLA's cache holds kv_lora_rank + qk_rope_head_dim numbers per token and layer (20 + 6 here,
+    not 3 heads × (16 + 14)), and attending in the latent space gives the logits of a full forward,
+    for a prompt of several tokens (the offset causal mask) and for each token after it."""
+    from models.deepseek_v3.attention import LatentKVCache, MultiHeadLatentAttention
+
+    hf = hf_model(case)
+    hf.save_pretrained(tmp_path)
+    model = imported(tmp_path)
+    layers = [m for m in model.modules() if isinstance(m, MultiHeadLatentAttention)]
+    caches = [m.make_kv_cache() for m in layers]
+    for m, cache in zip(layers, caches, strict=True):
+        m.core_attention = cache
+    tokens = TOKENS[:, :12]
+    with torch.no_grad():
+        steps = []
+        for start, end in ((0, 9), (9, 10), (10, 11), (11, 12)):
+            model.rope_positions = torch.arange(start, end)
+            steps.append(model(tokens[:, start:end]))
+        for m in layers:
+            m.core_attention = causal_attention
+        model.rope_positions = None
+        want = model(tokens)
+    for cache in caches:
+        assert isinstance(cache, LatentKVCache)
+        assert cache.latent.shape == (2, 12, 20) and cache.k_pe.shape == (2, 12, 6)
+    assert relative(torch.cat(steps, dim=1), want) <= 1e-5
 
 
 class _Recompute(torch.nn.Module):
