@@ -17,6 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmark_families import families_table
 from benchmark_speed import speed_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -284,7 +285,8 @@ def main() -> None:
                          "(FSDP/TP layouts × AC/compile), memory (peak memory per AC mode), pipeline "
                          "(step time per schedule), cp (peak memory of a long sequence per CP degree), "
                          "data (tokenizer and loader tokens/s), init (peak memory of initialising "
-                         "the 1B and 3B flavors on 1-4 ranks), tokenize (a new corpus on 1 and 2 ranks)")
+                         "the 1B and 3B flavors on 1-4 ranks), tokenize (a new corpus on 1 and 2 ranks), "
+                         "families (each family's debug model beside a Llama of its parameter count)")
     ap.add_argument("--torchtitan-python", default="",
                     help="speed table: a Python interpreter where torchtitan is installed (adds its column)")
     ap.add_argument("--speed-layouts", default="",
@@ -328,6 +330,9 @@ def run_tables(a: argparse.Namespace, tables: set[str], cache: Path) -> None:
         init_table(a, cache)
     if "tokenize" in tables:
         tokenize_table()
+    if "families" in tables:
+        families_table(a.steps, a.warmup, a.repeats,
+                       lambda extra: kiln_tps(1, a.threads, a.steps, a.warmup, cache, extra))
 
 
 def overhead_table(a: argparse.Namespace, cache: Path) -> None:
