@@ -162,6 +162,10 @@ class ParallelDims:
             mode = f"DDP over {self.dp_replicate} ranks"
         else:
             mode = "no data parallelism"
+        if self.ep > 1:  # borrows its ranks from dp_shard × cp: said beside what it borrows from
+            rest = self.dp_shard * self.cp // self.ep
+            shard = f", each FSDP-sharded over {rest}" if rest > 1 else ""
+            mode = f"{mode}, EP {self.ep} (experts split over {self.ep} ranks{shard})"
         if self.cp > 1:
             mode = f"CP {self.cp} ({options.cp_rotate_method}, head-tail load balanced) × {mode}"
         if self.tp > 1:
