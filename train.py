@@ -21,10 +21,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
 from components.checkpoint.manager import CheckpointManager, check_model_matches
 from components.checkpoint.states import (
     DataLoaderState,
+    MixtureLoaderState,
     ModelState,
     OptimizerState,
     SchedulerState,
@@ -34,6 +36,7 @@ from components.checkpoint.states import (
 from components.config.loading import config_to_dict, config_to_toml, load_config
 from components.config.parallel_options import ParallelOptions
 from components.config.sections import JobConfig
+from components.data.mixture import MixtureLoader
 from components.data.run_data import DataRanks, build_run_data, cache_folder
 from components.data.tokenizer import Tokenizer
 from components.observability.memory_report import MemoryReport
@@ -191,7 +194,7 @@ class Trainer:
                   "optimizer": OptimizerState(self.model.parts, self.optimizers, aliases={
                       name: names[0] for names in self.model.tied_names for name in names[1:]}),
                   "lr_scheduler": SchedulerState(self.schedulers),
-                  "dataloader": (StreamingLoaderState if streaming else DataLoaderState)(self.data.loader),
+                  "dataloader": self._loader_state(streaming),
                   "train_state": self.state}
         return CheckpointManager(
             self.dump / c.folder, states, enable=c.enable or c.create_seed_checkpoint, interval=c.interval,
@@ -199,6 +202,15 @@ class Trainer:
             last_save_model_only=c.last_save_model_only, export_dtype=c.export_dtype,
             exclude_from_loading=c.exclude_from_loading, is_main=self.info.is_main,
             partial_model=self.dims.pp > 1, shared_folder_wait_seconds=c.shared_folder_wait_seconds)
+
+    def _loader_state(self, streaming: bool) -> Stateful:
+        """The data loader's part of a checkpoint: a stream's positions, a mixture's phase and
+        positions, or (one dataset) what the order depends on besides the step."""
+        if streaming:
+            return StreamingLoaderState(self.data.loader)
+        if isinstance(self.data.loader, MixtureLoader):
+            return MixtureLoaderState(self.data.loader, self.state)
+        return DataLoaderState(self.data.loader)
 
     def _build_metrics(self) -> MetricsLogger:
         """Console, metrics.jsonl, TensorBoard and W&B; MFU against self.peak."""

@@ -189,6 +189,20 @@ class StreamingLoaderState(Stateful):
         self.loader.load_state_dict(json.loads(state[f"dp_rank_{self.loader.dp_rank}"]))
 
 
+class MixtureLoaderState(Stateful):
+    """A mixture's phase and every source's position at the saved step (one JSON string: the same
+    key whatever the sources), so that a resume continues each source, with new weights too."""
+
+    def __init__(self, loader, train_state: TrainState) -> None:
+        self.loader, self.train_state = loader, train_state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mixture": json.dumps(self.loader.state_dict(self.train_state.step), sort_keys=True)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(json.loads(state["mixture"]))
+
+
 class DataLoaderState(Stateful):
     """What the data order depends on besides the step: seed, global batch and sequence length.
 

@@ -3,6 +3,7 @@ overrides, every bad key or value one error naming it; and the config written ba
 
 import dataclasses
 import difflib
+import json
 import sys
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -216,6 +217,11 @@ def _apply_toml(cfg: JobConfig, path: Path) -> None:
             raise ConfigError(f"{path}: unknown section '{section}'{hint}")
         for name, value in table.items():
             key = f"{section}.{name}"
+            if key == "training.sources" and isinstance(value, list):  # [[training.sources]] tables
+                if not all(isinstance(t, dict) for t in value):
+                    raise ConfigError(f"{path}: training.sources expects [[training.sources]] tables or a "
+                                      "string PATH=WEIGHT,...")
+                value = json.dumps(value)
             if key not in _KEYS:
                 raise ConfigError(f"{path}: unknown key '{key}'{did_you_mean(key, list(_KEYS))}")
             _set(cfg, key, _from_toml(key, value, str(path)), str(path))

@@ -100,6 +100,11 @@ class Training:
     """Data, batch shape, length of the run and numerics."""
 
     dataset: str = _opt("shakespeare", "registered dataset name")
+    sources: str = _opt(
+        "", "a weighted mixture instead of one dataset: PATH=WEIGHT,PATH=WEIGHT,... (each a file, folder, "
+        "glob or dataset name), or in the TOML [[training.sources]] tables with path, weight and optional "
+        "text_field and name"
+    )
     dataset_path: str = _opt(
         "", "a folder with train.*/val.* files, one file, or a prepared .bin token stream; with "
         "dataset_mode streaming also a glob, a folder of jsonl/parquet/csv/txt files or a hub dataset name"

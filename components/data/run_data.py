@@ -9,6 +9,7 @@ import torch
 
 from components.config.sections import JobConfig
 from components.data.loader import BatchLoader, TokenWindows, validation_batches
+from components.data.mixture import MixtureLoader, check_sources, parse_sources
 from components.data.sources import resolve_dataset
 from components.data.streaming import StreamingLoader
 from components.data.token_cache import console, prepare_token_file, token_job
@@ -33,7 +34,7 @@ class RunData:
     """The training loader, the memmap windows behind it (None when streaming) and the validation
     batches (None without validation)."""
 
-    loader: BatchLoader | StreamingLoader
+    loader: BatchLoader | StreamingLoader | MixtureLoader
     train_windows: TokenWindows | None
     val_batches: list[tuple[torch.Tensor, torch.Tensor]] | None
     description: str  # the start-up summary's data line
@@ -49,6 +50,8 @@ def build_run_data(cfg: JobConfig, tokenizer: Tokenizer, vocab_size: int, global
                    ranks: DataRanks) -> RunData:
     """Resolve, tokenize (once, shared by the workers, cached) and open the run's data."""
     t = cfg.training
+    if t.sources:
+        return _mixture_data(cfg, tokenizer, vocab_size, global_batch, ranks)
     splits = resolve_dataset(t.dataset, t.dataset_path)
     streaming = t.dataset_mode == "streaming"
     to_tokenize = {k: v for k, v in splits.items() if not (streaming and k == "train")}
@@ -75,6 +78,46 @@ def build_run_data(cfg: JobConfig, tokenizer: Tokenizer, vocab_size: int, global
                        f"{len(windows) / global_batch:,.1f} steps per epoch)")
     val = _validation_batches(cfg, files, vocab_size, global_batch, ranks) if cfg.validation.enable else None
     return RunData(loader, windows, val, description)
+
+
+def _mixture_data(cfg: JobConfig, tokenizer: Tokenizer, vocab_size: int, global_batch: int,
+                  ranks: DataRanks) -> RunData:
+    """A weighted mixture (training.sources): each source's train split tokenized into the cache and
+    read as windows by one MixtureLoader."""
+    t = cfg.training
+    sources = parse_sources(t.sources)
+    check_sources(sources)
+    if t.dataset_mode == "streaming":
+        raise KilnError("training.sources: a mixture reads token files; dataset_mode streaming reads one "
+                        "dataset (set dataset_mode = \"memmap\")")
+    cache = cache_folder(cfg)
+    say = console if ranks.is_main else (lambda line: None)
+    terminal = ranks.is_main and sys.stdout.isatty()
+    windows = []
+    for s in sources:
+        try:
+            split = resolve_dataset(s.path, "")["train"]
+        except KilnError as e:
+            raise KilnError(f"training.sources: {s.path}: {e}") from None
+        path = prepare_token_file(token_job(split, tokenizer, cache, s.text_field), tokenizer, ranks.worker,
+                                  ranks.workers, say, terminal)
+        windows.append(TokenWindows(path, t.seq_len, vocab_size))
+    loader = MixtureLoader(sources, windows, global_batch, t.local_batch_size, ranks.dp_rank, ranks.dp,
+                           t.seed, say)
+    total = sum(s.weight for s in sources)
+    parts = ", ".join(f"{s.name} {s.weight / total:.0%} ({len(w.tokens):,} tokens)"
+                      for s, w in zip(sources, windows, strict=True))
+    description = f"data    mixture of {len(sources)}: {parts}"
+    val = None
+    if cfg.validation.enable:
+        if not cfg.validation.dataset:
+            raise KilnError("validation.enable with training.sources: name what to validate on with "
+                            "--validation.dataset FILE (a file, folder, glob or dataset)")
+        files = {"val": prepare_token_file(token_job(_validation_source(cfg.validation.dataset), tokenizer,
+                                                     cache, t.dataset_text_field), tokenizer, ranks.worker,
+                                           ranks.workers, say, terminal)}
+        val = _validation_batches(cfg, files, vocab_size, global_batch, ranks)
+    return RunData(loader, None, val, description)
 
 
 def _validation_source(dataset: str) -> Path | str:
