@@ -109,6 +109,8 @@ class Trainer:
         self.train_step = build_train_step(cfg, self.model, self.optimizers, self.schedulers, self.dims,
                                            self.options, info.device, self.global_batch,
                                            self._after_optimizer_step_hook())
+        # A mixture's per-source losses are summed from each row's loss.
+        self.train_step.per_row_losses = isinstance(self.data.loader, MixtureLoader)
         if self.memory_report is not None:
             self.memory_report.watch(self.model.parts, self.optimizers)
         self.state = TrainState()
@@ -296,7 +298,7 @@ class Trainer:
                     loss, loss_tokens = self.train_step.global_mean(loss_sum, local_tokens)
                     self.metrics.log_step(st.step, loss, grad_norm.item(), lr, st.tokens_seen,
                                           {"loss_tokens": loss_tokens, **self.mtp_metrics(),
-                                           **self.moe_metrics()})
+                                           **self.source_metrics(st.step), **self.moe_metrics()})
                 if cfg.validation.enable and (st.step % cfg.validation.freq == 0 or last):
                     self.validate()
                 preempted = stop.agreed(self.info.device)
@@ -351,6 +353,16 @@ class Trainer:
                              snapshots)
 
     # ------------------------------------------------------------------ one step
+
+    def source_metrics(self, step: int) -> dict:
+        """A mixture's loss (mean per token) and labelled tokens of each source in this step."""
+        loader = self.data.loader
+        if not isinstance(loader, MixtureLoader):
+            return {}
+        losses, tokens = self.train_step.row_sums(torch.cat(loader.sources_of(step)), len(loader.names))
+        return {"source_loss": {n: (loss / count).item() if count > 0 else None
+                                for n, loss, count in zip(loader.names, losses, tokens, strict=True)},
+                "source_tokens": {n: int(count) for n, count in zip(loader.names, tokens, strict=True)}}
 
     def mtp_metrics(self) -> dict:
         """This step's multi-token prediction loss (mean over its depths and tokens), if the model has MTP."""

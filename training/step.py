@@ -47,6 +47,14 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
                            reduction="sum", ignore_index=IGNORE_INDEX)
 
 
+def cross_entropy_rows(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-row sums of token cross-entropy [batch] (fp32; IGNORE_INDEX counts nothing): the loss of
+    each row, for the loss of each source of a mixture."""
+    per_token = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="none",
+                                ignore_index=IGNORE_INDEX)
+    return per_token.view(labels.shape).sum(1)
+
+
 @dataclass
 class StepSetup:
     """What a step needs besides the model parts and optimizers."""
@@ -82,6 +90,12 @@ class TrainStep:
         # The loss is compiled with the blocks, except on vocabulary-sharded DTensor logits.
         compile_loss = options.compile and not self.loss_parallel
         self.loss_fn: Callable = torch.compile(cross_entropy_sum) if compile_loss else cross_entropy_sum
+        self.rows_fn: Callable = torch.compile(cross_entropy_rows) if compile_loss else cross_entropy_rows
+        # With per_row_losses set (a mixture's per-source metrics), each microbatch's loss is summed
+        # from its rows' losses, kept (with the rows' token counts) in row order for row_sums().
+        self.per_row_losses = False
+        self.row_losses: list[torch.Tensor] = []
+        self.row_tokens: list[torch.Tensor] = []
         # MoE layers (if any): their expert load moves the expert bias after each step.
         self.moe_layers = moe_layers(parts)
         self.expert_load: dict[str, list[int]] = {}
@@ -115,10 +129,36 @@ class TrainStep:
             self.mtp_part.mtp_loss = None
         self.mtp_sum.zero_()
         self.mtp_count.zero_()
+        self.row_losses, self.row_tokens = [], []
 
     def _loss_with_mtp(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The summed cross-entropy, plus the weighted MTP loss the forward just left (if any)."""
-        return self.loss_fn(logits, labels) + self._take_mtp_loss()
+        return self._main_loss(logits, labels) + self._take_mtp_loss()
+
+    def _main_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed cross-entropy of a microbatch (from its rows' losses, kept, when per_row_losses)."""
+        if not self.per_row_losses:
+            return self.loss_fn(logits, labels)
+        rows = self.rows_fn(logits, labels)
+        self.row_losses.append(local_tensor(rows.detach()).double())
+        self.row_tokens.append((labels != IGNORE_INDEX).sum(1).double())
+        return rows.sum()
+
+    def row_sums(self, groups: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's summed loss and labelled tokens per group of rows ([n_groups] each, summed over
+        the ranks that hold the step's tokens, from the last pipeline stage); groups: the group of
+        each of this rank's rows, in the order the step ran them. Every rank must call it."""
+        both = torch.zeros(2, n_groups, dtype=torch.float64, device=self.device)
+        if self.row_losses:
+            ids = groups.to(self.device)
+            both[0].index_add_(0, ids, torch.cat(self.row_losses))
+            both[1].index_add_(0, ids, torch.cat(self.row_tokens))
+        if self.loss_group is not None:
+            dist.all_reduce(both, group=self.loss_group)
+        if self.pipeline is not None:
+            both = both if self.pipeline.has_last else torch.zeros_like(both)
+            dist.all_reduce(both, group=self.dims.mesh("pp").get_group())
+        return both[0], both[1]
 
     def _take_mtp_loss(self) -> torch.Tensor | float:
         """The weighted MTP loss of the last forward (0 without one), counted for the step's log."""
@@ -134,6 +174,7 @@ class TrainStep:
         """Returns this rank's summed loss and token count, and the global grad norm."""
         self.mtp_sum.zero_()
         self.mtp_count.zero_()
+        self.row_losses, self.row_tokens = [], []
         step = [self.shard_sequence(x, y, next_tokens_of(y, self.mtp_depth) if self.mtp_depth else None)
                 for x, y in microbatches]
         local_tokens, global_tokens = self.count_tokens([(x, y) for x, y, _ in step])
@@ -171,7 +212,7 @@ class TrainStep:
         inputs, labels, next_tokens = (t.to(self.device) if t is not None else None for t in microbatch)
         kwargs = {"next_tokens": next_tokens} if next_tokens is not None else {}
         with loss_context(self.loss_parallel):
-            loss = self.loss_fn(model(inputs, **kwargs), labels)
+            loss = self._main_loss(model(inputs, **kwargs), labels)
             ((loss + self._take_mtp_loss()) * scale).backward()
         return local_tensor(loss.detach())
 

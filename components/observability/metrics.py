@@ -121,6 +121,9 @@ class MetricsLogger:
         if self.is_main:
             width = len(str(self.total_steps))
             tail = f"  mtp {row['mtp_loss']:7.4f}" if "mtp_loss" in row else ""
+            if row.get("source_loss"):
+                tail += "  " + " ".join(f"{name} {loss:.3f}" for name, loss in row["source_loss"].items()
+                                        if loss is not None)
             if row.get("moe_imbalance"):
                 worst = max(row["moe_imbalance"].items(), key=lambda kv: kv[1])
                 tail += f"  experts max/mean {worst[1]:.2f} (layer {worst[0]})"
@@ -195,10 +198,15 @@ class MetricsLogger:
 
 
 def scalars(row: dict) -> dict[str, float]:
-    """The scalars of a metrics row, as TensorBoard and W&B get them: every number but the step, and
-    the MoE imbalance per layer."""
+    """The scalars of a metrics row, as TensorBoard and W&B get them: every number but the step, the
+    MoE imbalance per layer, and a mixture's loss and tokens per source."""
     out = {key: value for key, value in row.items()
            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
     for layer, ratio in row.get("moe_imbalance", {}).items():
         out[f"moe_imbalance/layer_{layer}"] = ratio
+    for name, loss in row.get("source_loss", {}).items():
+        if loss is not None:
+            out[f"source_loss/{name}"] = loss
+    for name, count in row.get("source_tokens", {}).items():
+        out[f"source_tokens/{name}"] = count
     return out
