@@ -385,8 +385,18 @@ class Trainer:
 
     def validate(self) -> None:
         """Mean loss over the validation split (validation.steps rounds), logged with val_loss."""
-        loss, tokens = self.train_step.evaluate(self.data.val_batches, self.cfg.training.local_batch_size)
-        self.metrics.log_validation(self.step, loss, tokens)
+        rows = self.cfg.training.local_batch_size
+        if self.data.val_sources is None:
+            loss, tokens = self.train_step.evaluate(self.data.val_batches, rows)
+            self.metrics.log_validation(self.step, loss, tokens)
+            return
+        # A mixture: each source's validation split, and the mean over all their tokens.
+        results = {name: self.train_step.evaluate(batches, rows)
+                   for name, batches in self.data.val_sources.items()}
+        tokens = sum(n for _, n in results.values())
+        loss = sum(mean * n for mean, n in results.values()) / tokens
+        self.metrics.log_validation(self.step, loss, tokens,
+                                    {name: mean for name, (mean, _) in results.items()})
 
     # ------------------------------------------------------------------ checkpoints
 

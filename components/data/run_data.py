@@ -38,6 +38,8 @@ class RunData:
     train_windows: TokenWindows | None
     val_batches: list[tuple[torch.Tensor, torch.Tensor]] | None
     description: str  # the start-up summary's data line
+    # A mixture validated per source: each source's validation batches (val_batches is None then).
+    val_sources: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
 
 def cache_folder(cfg: JobConfig) -> Path:
@@ -93,31 +95,40 @@ def _mixture_data(cfg: JobConfig, tokenizer: Tokenizer, vocab_size: int, global_
     cache = cache_folder(cfg)
     say = console if ranks.is_main else (lambda line: None)
     terminal = ranks.is_main and sys.stdout.isatty()
-    windows = []
+    windows, val_files = [], {}
     for s in sources:
         try:
-            split = resolve_dataset(s.path, "")["train"]
+            splits = resolve_dataset(s.path, "")
         except KilnError as e:
             raise KilnError(f"training.sources: {s.path}: {e}") from None
-        path = prepare_token_file(token_job(split, tokenizer, cache, s.text_field), tokenizer, ranks.worker,
-                                  ranks.workers, say, terminal)
-        windows.append(TokenWindows(path, t.seq_len, vocab_size))
+        files = {k: prepare_token_file(token_job(v, tokenizer, cache, s.text_field), tokenizer, ranks.worker,
+                                       ranks.workers, say, terminal)
+                 for k, v in splits.items() if k == "train" or (k == "val" and cfg.validation.enable)}
+        windows.append(TokenWindows(files["train"], t.seq_len, vocab_size))
+        if "val" in files:
+            val_files[s.name] = files["val"]
     loader = MixtureLoader(sources, windows, global_batch, t.local_batch_size, ranks.dp_rank, ranks.dp,
                            t.seed, say)
     total = sum(s.weight for s in sources)
     parts = ", ".join(f"{s.name} {s.weight / total:.0%} ({len(w.tokens):,} tokens)"
                       for s, w in zip(sources, windows, strict=True))
     description = f"data    mixture of {len(sources)}: {parts}"
-    val = None
-    if cfg.validation.enable:
-        if not cfg.validation.dataset:
-            raise KilnError("validation.enable with training.sources: name what to validate on with "
-                            "--validation.dataset FILE (a file, folder, glob or dataset)")
+    if not cfg.validation.enable:
+        return RunData(loader, None, None, description)
+    if cfg.validation.dataset:  # one validation set for the whole mixture
         files = {"val": prepare_token_file(token_job(_validation_source(cfg.validation.dataset), tokenizer,
                                                      cache, t.dataset_text_field), tokenizer, ranks.worker,
                                            ranks.workers, say, terminal)}
-        val = _validation_batches(cfg, files, vocab_size, global_batch, ranks)
-    return RunData(loader, None, val, description)
+        return RunData(loader, None, _validation_batches(cfg, files, vocab_size, global_batch, ranks),
+                       description)
+    if not val_files:
+        raise KilnError("validation.enable with training.sources: no source has a validation split (a "
+                        "folder with train.* and val.* files, or a dataset with one); name what to validate "
+                        "on with --validation.dataset FILE")
+    per_source = {name: _validation_batches(cfg, {"val": f}, vocab_size, global_batch, ranks)
+                  for name, f in val_files.items()}
+    return RunData(loader, None, None, description + f"; validated per source ({', '.join(per_source)})",
+                   per_source)
 
 
 def _validation_source(dataset: str) -> Path | str:

@@ -168,15 +168,21 @@ class MetricsLogger:
         filled = int(width * step / max(self.total_steps, 1))
         return f"[{'#' * filled}{'-' * (width - filled)}] {100 * step // max(self.total_steps, 1):3d}% "
 
-    def log_validation(self, step: int, val_loss: float, val_tokens: int) -> None:
-        """Emit one validation row (carries val_loss and its perplexity)."""
+    def log_validation(self, step: int, val_loss: float, val_tokens: int,
+                       per_source: dict[str, float] | None = None) -> None:
+        """Emit one validation row (carries val_loss and its perplexity; a mixture's loss of each
+        source that has a validation split in val_source_loss)."""
         if self.is_main:
             ppl = math.exp(min(val_loss, 700.0))
+            sources = "".join(f"  {name} {loss:.4f}" for name, loss in (per_source or {}).items())
             print(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  "
-                  f"validation loss {val_loss:.4f}  perplexity {ppl:,.2f}  over {val_tokens:,} tokens",
-                  flush=True)
-            self._write({"step": step, "val_loss": val_loss, "val_perplexity": ppl, "val_tokens": val_tokens,
-                         "time": self.run_time()})
+                  f"validation loss {val_loss:.4f}  perplexity {ppl:,.2f}  over {val_tokens:,} tokens"
+                  f"{sources}", flush=True)
+            row = {"step": step, "val_loss": val_loss, "val_perplexity": ppl, "val_tokens": val_tokens,
+                   "time": self.run_time()}
+            if per_source:
+                row["val_source_loss"] = per_source
+            self._write(row)
         self.last_val = {"step": step, "val_loss": val_loss}
 
     def _write(self, row: dict) -> None:
@@ -209,4 +215,6 @@ def scalars(row: dict) -> dict[str, float]:
             out[f"source_loss/{name}"] = loss
     for name, count in row.get("source_tokens", {}).items():
         out[f"source_tokens/{name}"] = count
+    for name, loss in row.get("val_source_loss", {}).items():
+        out[f"val_source_loss/{name}"] = loss
     return out

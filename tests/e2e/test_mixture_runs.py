@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from tests.helpers.runs import TINY, check_ok, fails_with, relative, run_train, train_rows
+from tests.helpers.runs import TINY, check_ok, fails_with, read_metrics, relative, run_train, train_rows
 
 WEIGHTS = {"web": 0.5, "code": 0.3, "books": 0.2}
 STEPS = 8
@@ -119,3 +119,25 @@ def test_bad_mixtures_are_one_line(corpus, tmp_path):
     toml.write_text(f'[[training.sources]]\npath = "{corpus / "web.jsonl"}"\nwieght = 2\n')
     fails_with(run_train(["--config", str(toml), "--job.dump_folder", str(tmp_path)]),
                "training.sources[0]: unknown key 'wieght'")
+
+
+def test_validation_per_source(corpus, tmp_path):
+    """Sources that are folders with train.* and val.* files are validated one by one; val_loss is the
+    mean over all their tokens."""
+    for name in ("web", "code"):
+        folder = tmp_path / name
+        folder.mkdir()
+        lines = (corpus / f"{name}.jsonl").read_text().splitlines()
+        (folder / "train.jsonl").write_text("\n".join(lines[40:]) + "\n")
+        (folder / "val.jsonl").write_text("\n".join(lines[:40]) + "\n")
+    args = [*TINY, *BATCH, "--training.steps", "2", "--training.sources",
+            f"{tmp_path / 'web'}=0.5,{tmp_path / 'code'}=0.5", "--validation.enable",
+            "--validation.freq", "2", "--validation.steps", "2", "--job.dump_folder", str(tmp_path / "run")]
+    proc = run_train(args)
+    check_ok(proc)
+    assert "validated per source (web, code)" in proc.stdout
+    rows = [r for r in read_metrics(tmp_path / "run") if "val_loss" in r]
+    assert len(rows) == 1 and set(rows[0]["val_source_loss"]) == {"web", "code"}
+    losses = rows[0]["val_source_loss"]
+    assert min(losses.values()) <= rows[0]["val_loss"] <= max(losses.values())
+    assert losses["web"] != losses["code"]
