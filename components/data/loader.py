@@ -48,6 +48,20 @@ class TokenWindows:
         self.seq_len = seq_len
         self.num_windows = max(0, (len(self.tokens) - 1) // seq_len)
 
+    @classmethod
+    def of_tokens(cls, tokens, name: Path, seq_len: int, vocab_size: int) -> "TokenWindows":
+        """Windows over any token stream with len(), slicing and max() (a prepared folder's shards:
+        components/data/shards.py); `name` names it in messages."""
+        windows = cls.__new__(cls)
+        if len(tokens) == 0:
+            raise KilnError(f"{name} holds no tokens: the dataset has no text")
+        if tokens.max() >= vocab_size:
+            raise KilnError(f"{name} holds token id {tokens.max()}, outside the model's vocabulary of "
+                            f"{vocab_size}: it was made with another tokenizer")
+        windows.path, windows.tokens, windows.seq_len = Path(name), tokens, seq_len
+        windows.num_windows = max(0, (len(tokens) - 1) // seq_len)
+        return windows
+
     def __len__(self) -> int:
         return self.num_windows
 

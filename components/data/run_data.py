@@ -1,6 +1,7 @@
 """A run's data: its splits resolved once, text tokenized into the cache once, the training loader
 (memmap windows or streaming) and this rank's validation batches."""
 
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,7 @@ import torch
 from components.config.sections import JobConfig
 from components.data.loader import BatchLoader, TokenWindows, validation_batches
 from components.data.mixture import MixtureLoader, check_sources, parse_sources
+from components.data.shards import ShardedTokens, is_prepared
 from components.data.sources import resolve_dataset
 from components.data.streaming import StreamingLoader
 from components.data.token_cache import console, prepare_token_file, token_job
@@ -54,6 +56,8 @@ def build_run_data(cfg: JobConfig, tokenizer: Tokenizer, vocab_size: int, global
     t = cfg.training
     if t.sources:
         return _mixture_data(cfg, tokenizer, vocab_size, global_batch, ranks)
+    if t.dataset_path and is_prepared(t.dataset_path):
+        return _prepared_data(cfg, tokenizer, vocab_size, global_batch, ranks)
     splits = resolve_dataset(t.dataset, t.dataset_path)
     streaming = t.dataset_mode == "streaming"
     to_tokenize = {k: v for k, v in splits.items() if not (streaming and k == "train")}
@@ -82,6 +86,35 @@ def build_run_data(cfg: JobConfig, tokenizer: Tokenizer, vocab_size: int, global
     return RunData(loader, windows, val, description)
 
 
+def prepared_windows(folder: str | Path, split: str, tokenizer: Tokenizer, seq_len: int,
+                     vocab_size: int) -> TokenWindows:
+    """Windows over one split of a prepared token folder (scripts/prepare_data.py)."""
+    tokens = ShardedTokens(folder, split, tokenizer.fingerprint)
+    return TokenWindows.of_tokens(tokens, Path(folder) / split, seq_len, vocab_size)
+
+
+def _prepared_data(cfg: JobConfig, tokenizer: Tokenizer, vocab_size: int, global_batch: int,
+                   ranks: DataRanks) -> RunData:
+    """A prepared token folder (training.dataset_path): its shards read in place, no cache."""
+    t, folder = cfg.training, cfg.training.dataset_path
+    if t.dataset_mode == "streaming":
+        raise KilnError(f"training.dataset_path {folder} is a prepared token folder: read it with "
+                        "dataset_mode = \"memmap\"")
+    windows = prepared_windows(folder, "train", tokenizer, t.seq_len, vocab_size)
+    loader = BatchLoader(windows, global_batch, t.local_batch_size, ranks.dp_rank, ranks.dp, t.seed)
+    description = (f"data    {folder}: prepared, {len(windows.tokens):,} train tokens "
+                   f"({len(windows):,} windows; {len(windows) / global_batch:,.1f} steps per epoch)")
+    val = None
+    if cfg.validation.enable:
+        if cfg.validation.dataset:
+            raise KilnError("validation.dataset with a prepared training.dataset_path: validate on the "
+                            "folder's val split (scripts/prepare_data.py writes one from a val.* file)")
+        val_windows = prepared_windows(folder, "val", tokenizer, t.seq_len, vocab_size)
+        val = validation_batches(val_windows, global_batch // ranks.dp, ranks.dp_rank, ranks.dp,
+                                 cfg.validation.steps)
+    return RunData(loader, windows, val, description)
+
+
 def _mixture_data(cfg: JobConfig, tokenizer: Tokenizer, vocab_size: int, global_batch: int,
                   ranks: DataRanks) -> RunData:
     """A weighted mixture (training.sources): each source's train split tokenized into the cache and
@@ -95,8 +128,14 @@ def _mixture_data(cfg: JobConfig, tokenizer: Tokenizer, vocab_size: int, global_
     cache = cache_folder(cfg)
     say = console if ranks.is_main else (lambda line: None)
     terminal = ranks.is_main and sys.stdout.isatty()
-    windows, val_files = [], {}
+    windows, val_files, val_prepared = [], {}, {}
     for s in sources:
+        if is_prepared(s.path):  # a prepared token folder: read in place
+            windows.append(prepared_windows(s.path, "train", tokenizer, t.seq_len, vocab_size))
+            splits = json.loads((Path(s.path) / "index.json").read_text())["splits"]
+            if cfg.validation.enable and "val" in splits:
+                val_prepared[s.name] = prepared_windows(s.path, "val", tokenizer, t.seq_len, vocab_size)
+            continue
         try:
             splits = resolve_dataset(s.path, "")
         except KilnError as e:
@@ -121,12 +160,14 @@ def _mixture_data(cfg: JobConfig, tokenizer: Tokenizer, vocab_size: int, global_
                                            ranks.workers, say, terminal)}
         return RunData(loader, None, _validation_batches(cfg, files, vocab_size, global_batch, ranks),
                        description)
-    if not val_files:
+    if not val_files and not val_prepared:
         raise KilnError("validation.enable with training.sources: no source has a validation split (a "
                         "folder with train.* and val.* files, or a dataset with one); name what to validate "
                         "on with --validation.dataset FILE")
     per_source = {name: _validation_batches(cfg, {"val": f}, vocab_size, global_batch, ranks)
                   for name, f in val_files.items()}
+    per_source |= {name: validation_batches(w, global_batch // ranks.dp, ranks.dp_rank, ranks.dp,
+                                            cfg.validation.steps) for name, w in val_prepared.items()}
     return RunData(loader, None, None, description + f"; validated per source ({', '.join(per_source)})",
                    per_source)
 

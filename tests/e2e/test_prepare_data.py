@@ -1,16 +1,21 @@
-"""Runs scripts/prepare_data.py as a user would; its .bin files must decode to the documents."""
+"""Runs scripts/prepare_data.py as a user would: its shards decode to the documents, several processes
+and small pieces give the same token stream as one, a kill -9 resumes, training reads the folder with
+the losses of the raw file, and bad input is one line. The format is components/data/shards.py."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
-from components.data.loader import TokenWindows
-from components.data.sources import REPO_ROOT, resolve_dataset
+from components.data.shards import ShardedTokens
+from components.data.sources import REPO_ROOT
 from components.data.token_cache import token_file_for
 from components.data.tokenizer import Tokenizer
+from tests.helpers.runs import TINY, check_ok, fails_with, run_train, train_rows
 
 TOKENIZER = REPO_ROOT / "assets/tokenizer/tokenizer.json"
 SPLITS = {
@@ -20,17 +25,18 @@ SPLITS = {
 }
 
 
-def run_script(*args: str) -> subprocess.CompletedProcess:
+def run_script(*args: str, wait: bool = True):
     """Runs the script as a plain file from the repository root."""
-    return subprocess.run([sys.executable, "scripts/prepare_data.py", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=120)
+    cmd = [sys.executable, "scripts/prepare_data.py", *args]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
 
 
-def documents(path: Path, tok: Tokenizer) -> list[str]:
-    """Splits a token file at BOS/EOS and decodes each document."""
-    ids = np.fromfile(path, dtype=np.uint16).tolist()
+def documents(ids: np.ndarray, tok: Tokenizer) -> list[str]:
+    """Splits a token stream at BOS/EOS and decodes each document."""
     docs, current = [], None
-    for i in ids:
+    for i in ids.tolist():
         if i == tok.bos_id:
             assert current is None, "BOS inside a document"
             current = []
@@ -39,8 +45,21 @@ def documents(path: Path, tok: Tokenizer) -> list[str]:
             current = None
         else:
             current.append(i)
-    assert current is None, "file ends inside a document"
+    assert current is None, "stream ends inside a document"
     return docs
+
+
+def stream(folder: Path, split: str = "train") -> np.ndarray:
+    tokens = ShardedTokens(folder, split)
+    return np.asarray(tokens[0:len(tokens)])
+
+
+def corpus(path: Path, n: int) -> Path:
+    rng = np.random.default_rng(0)
+    words = "the king and queen of england went to war over bread and salt".split()
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, rng.integers(5, 60)))}) + "\n"
+                            for _ in range(n)))
+    return path
 
 
 def test_folder_round_trip(tmp_path: Path) -> None:
@@ -52,32 +71,79 @@ def test_folder_round_trip(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "tokens/s" in proc.stdout and "3 documents" in proc.stdout
     tok = Tokenizer(TOKENIZER)
+    index = json.loads((out / "index.json").read_text())
+    assert index["tokenizer"] == tok.fingerprint and index["dtype"] == "uint16"
     for split, docs in SPLITS.items():
-        assert documents(out / f"{split}.bin", tok) == docs
-        meta = json.loads((out / f"{split}.json").read_text())
-        assert meta["tokens"] == (out / f"{split}.bin").stat().st_size // 2
-    # What the trainer does with --training.dataset_path out: the .bin files, used as they are.
-    splits = resolve_dataset("shakespeare", str(out))
-    assert splits == {"train": out / "train.bin", "val": out / "val.bin"}
-    assert token_file_for(splits["train"], tok, tmp_path / "cache") == out / "train.bin"
-    windows = TokenWindows(splits["train"], seq_len=4, vocab_size=4096)
-    assert windows.rows(np.array([0]))[0, 0].item() == tok.bos_id
+        assert documents(stream(out, split), tok) == docs
+        assert index["splits"][split]["documents"] == len(docs)
 
 
-def test_single_file_and_errors(tmp_path: Path) -> None:
-    text = tmp_path / "play.txt"
-    text.write_text("A horse! a horse! my kingdom for a horse!\n")
-    out = tmp_path / "out"
-    proc = run_script("--dataset-path", str(text), "--out", str(out))
+def test_workers_and_pieces_give_the_stream_of_one_file(tmp_path: Path) -> None:
+    """2 processes over pieces of 20 KB (a dozen shards, cut inside lines) = the single-file token file."""
+    raw = corpus(tmp_path / "big.jsonl", 2000)
+    out = tmp_path / "prepared"
+    proc = run_script("--source", str(raw), "--out", str(out), "--workers", "2", "--piece-mb", "0.02")
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["train.bin", "train.json"]
-    assert documents(out / "train.bin", Tokenizer(TOKENIZER)) == [text.read_text()]
+    index = json.loads((out / "index.json").read_text())
+    assert len(index["splits"]["train"]["shards"]) > 10
+    flat = token_file_for(raw, Tokenizer(TOKENIZER), tmp_path / "cache")
+    assert np.array_equal(stream(out), np.fromfile(flat, dtype=np.uint16))
 
-    missing = run_script("--dataset-path", str(tmp_path / "nowhere"), "--out", str(out))
+
+def test_a_killed_preparation_resumes(tmp_path: Path) -> None:
+    raw = corpus(tmp_path / "big.jsonl", 6000)
+    out = tmp_path / "prepared"
+    proc = run_script("--source", str(raw), "--out", str(out), "--piece-mb", "0.01", wait=False)
+    deadline = time.monotonic() + 120
+    while len(list(out.glob("train-*.json"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = len(list(out.glob("train-*.json")))
+    assert 3 <= done and not (out / "index.json").exists()
+    again = run_script("--source", str(raw), "--out", str(out), "--piece-mb", "0.01")
+    assert again.returncode == 0, again.stderr
+    assert f"resuming: {done} of " in again.stdout
+    assert not list(out.glob("*.tmp-*"))
+    flat = token_file_for(raw, Tokenizer(TOKENIZER), tmp_path / "cache")
+    assert np.array_equal(stream(out), np.fromfile(flat, dtype=np.uint16))
+
+
+def test_training_reads_the_folder_as_the_raw_file(tmp_path: Path, data_cache) -> None:
+    out = tmp_path / "prepared"
+    assert run_script("--dataset", "shakespeare", "--out", str(out), "--piece-mb", "0.5").returncode == 0
+    raw = REPO_ROOT / "assets/data/shakespeare/train.jsonl.gz"
+    check_ok(run_train([*TINY, "--training.steps", "3", "--training.dataset_path", str(out),
+                        "--job.dump_folder", str(tmp_path / "a")]))
+    check_ok(run_train([*TINY, "--training.steps", "3", "--training.dataset_path", str(raw),
+                        "--job.dump_folder", str(tmp_path / "b"),
+                        "--training.data_cache_dir", str(data_cache)]))
+    assert [r["loss"] for r in train_rows(tmp_path / "a")] == [r["loss"] for r in train_rows(tmp_path / "b")]
+    # Shards made by another tokenizer are refused by name.
+    index = json.loads((out / "index.json").read_text())
+    (out / "index.json").write_text(json.dumps({**index, "tokenizer": "0" * 64}))
+    args = [*TINY, "--training.dataset_path", str(out), "--job.dump_folder", str(tmp_path / "c")]
+    fails_with(run_train(args), f"{out} was tokenized by", "not this run's tokenizer")
+
+
+def test_bad_input_is_one_line(tmp_path: Path) -> None:
+    raw = corpus(tmp_path / "bad.jsonl", 400)
+    lines = raw.read_text().splitlines()
+    lines[321] = '{"text": "unclosed'
+    raw.write_text("\n".join(lines) + "\n")
+    proc = run_script("--source", str(raw), "--out", str(tmp_path / "o"), "--piece-mb", "0.004",
+                      "--workers", "2")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == f"error: {raw}:322: not valid JSON (Unterminated string starting at)"
+    assert not (tmp_path / "o" / "index.json").exists()
+    missing = run_script("--dataset-path", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"))
     assert missing.returncode == 1 and "not found" in missing.stderr
-    assert "Traceback" not in missing.stderr
-    again = run_script("--dataset-path", str(out / "train.bin"), "--out", str(tmp_path / "x"))
-    assert again.returncode == 1 and "already a token file" in again.stderr
+    again = run_script("--source", str(tmp_path / "o" / "train-00000.bin"), "--out", str(tmp_path / "y"))
+    assert again.returncode == 1, again.stderr
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    proc = run_script("--source", str(empty), "--out", str(tmp_path / "z"))
+    assert proc.returncode == 1 and proc.stderr.strip() == f"error: {empty}: no documents"
 
 
 def test_unknown_dataset_name(tmp_path: Path) -> None:
@@ -95,6 +161,6 @@ def test_streaming_source_round_trip(tmp_path: Path) -> None:
     proc = run_script("--source", str(tmp_path / "docs.parquet"), "--text-field", "content",
                       "--tokenizer", str(TOKENIZER), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
-    assert documents(out / "train.bin", Tokenizer(TOKENIZER)) == SPLITS["train"]
+    assert documents(stream(out), Tokenizer(TOKENIZER)) == SPLITS["train"]
     bad = run_script("--source", str(tmp_path / "docs.parquet"), "--out", str(tmp_path / "x"))
     assert bad.returncode != 0 and "no field 'text'; fields: content, n" in bad.stderr
