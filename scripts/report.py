@@ -109,6 +109,28 @@ def plot_expert_load(run: dict, out: Path) -> str:
     return _figure_png(draw, out)
 
 
+def plot_source_losses(run: dict, out: Path) -> str:
+    """A mixture's training loss of each source over steps (and each source's validation loss)."""
+    rows = [r for r in run["train"] if r.get("source_loss")]
+    names = list(rows[0]["source_loss"])
+
+    def draw(ax) -> None:  # noqa: ANN001
+        for name in names:
+            points = [(r["step"], r["source_loss"][name]) for r in rows
+                      if r["source_loss"].get(name) is not None]
+            line, = ax.plot(*zip(*points, strict=True), label=name)
+            val = [(r["step"], r["val_source_loss"][name]) for r in run["val"]
+                   if name in r.get("val_source_loss", {})]
+            if val:
+                ax.plot(*zip(*val, strict=True), "o--", color=line.get_color(), label=f"{name} (validation)")
+        ax.set_title(f"Loss per source — {run['name']}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats/token)")
+        ax.legend()
+
+    return _figure_png(draw, out)
+
+
 def loss_differences(runs: list[dict]) -> list[tuple[str, int, float, float, int]]:
     """Per run after the first: (name, common steps, max |Δloss|, max relative |Δloss|, at step)."""
     ref = {r["step"]: r["loss"] for r in runs[0]["train"]}
@@ -189,6 +211,10 @@ def write_report(runs: list[dict], out: Path) -> list[Path]:
             images.append((title, plot_metric(runs, key, title, ylabel, path)))
             pngs.append(path)
     for i, run in enumerate(runs):
+        if any(r.get("source_loss") for r in run["train"]):
+            path = png_dir / f"source_loss_{i}.png"
+            images.append((f"Loss per source — {run['name']}", plot_source_losses(run, path)))
+            pngs.append(path)
         if any(r.get("moe_imbalance") for r in run["train"]):
             path = png_dir / f"expert_load_{i}.png"
             images.append((f"Expert load — {run['name']}", plot_expert_load(run, path)))

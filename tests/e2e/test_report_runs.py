@@ -72,3 +72,17 @@ def test_missing_or_empty_metrics_are_clear_errors(tmp_path):
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
     proc = report(str(tmp_path / "empty"))
     assert proc.returncode == 2 and "no training rows" in proc.stderr
+
+
+def test_a_mixture_gets_its_per_source_plot(tmp_path):
+    """A run's source_loss rows (and val_source_loss) become one plot of a line per source."""
+    folder = tmp_path / "mix"
+    folder.mkdir()
+    rows = [{"step": s, "loss": 4.0 - s / 10, "lr": 1e-3, "grad_norm": 1.0, "tokens": 512 * s, "time": s,
+             "source_loss": {"web": 4.1 - s / 10, "code": 3.9 - s / 10}} for s in (1, 2, 3)]
+    rows.append({"step": 3, "val_loss": 3.8, "val_source_loss": {"web": 3.9, "code": 3.7}, "time": 3})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "r.html"
+    check_ok(report(str(folder), "--out", str(out)))
+    assert "Loss per source — mix" in out.read_text()
+    assert (tmp_path / "r" / "source_loss_0.png").stat().st_size > 1000
