@@ -147,22 +147,22 @@ class BatchLoader:
 
 
 def validation_batches(windows: TokenWindows, local_batch_size: int, dp_rank: int, dp_degree: int,
-                       max_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's rows of the validation split, read in order in rounds of local_batch_size × dp rows
-    (max_steps rounds; -1 = every full round). The trainer passes global_batch / dp as the local
-    size, so a round is one global batch in every layout."""
+                       max_steps: int, first: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's rows of the validation split (windows from `first` on), read in order in rounds of
+    local_batch_size × dp rows (max_steps rounds; -1 = every full round). The trainer passes
+    global_batch / dp as the local size, so a round is one global batch in every layout."""
     per_round = local_batch_size * dp_degree
-    rounds = len(windows) // per_round
+    rounds = (len(windows) - first) // per_round
     if max_steps >= 0:
         rounds = min(rounds, max_steps)
     if rounds == 0:
         raise KilnError(
-            f"the validation split has {len(windows)} windows, fewer than one round of "
+            f"the validation split has {len(windows) - first} windows, fewer than one round of "
             f"{per_round} (one global batch)"
         )
     out = []
     for r in range(rounds):
-        start = r * per_round + dp_rank * local_batch_size
+        start = first + r * per_round + dp_rank * local_batch_size
         rows = windows.rows(np.arange(start, start + local_batch_size))
         out.append((rows[:, :-1], rows[:, 1:]))
     return out

@@ -35,13 +35,14 @@ class MixtureSource:
     weight: float = 1.0
     text_field: str = "text"
     name: str = ""  # a short name for metrics (default: the path's last part)
+    val_share: float = 0.0  # the share of its windows (the last ones) held out for validation
 
     def __post_init__(self) -> None:
         if not self.name:
             self.name = self.path.rstrip("/").rsplit("/", 1)[-1].split(".")[0] or self.path
 
 
-SOURCE_KEYS = ("path", "weight", "text_field", "name")
+SOURCE_KEYS = ("path", "weight", "text_field", "name", "val_share")
 
 
 def parse_sources(text: str) -> list[MixtureSource]:
@@ -73,8 +74,16 @@ def _source_of_table(table: dict, index: int) -> MixtureSource:
     weight = table.get("weight", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)):
         raise KilnError(f"{where}: weight must be a number, got {weight!r}")
+    share = table.get("val_share", 0.0)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
+        raise KilnError(f"{where}: val_share must be a number in [0, 1), got {share!r}")
     return MixtureSource(table["path"], float(weight), str(table.get("text_field", "text")),
-                         str(table.get("name", "")))
+                         str(table.get("name", "")), float(share))
+
+
+def held_out(source: MixtureSource, num_windows: int) -> int:
+    """The windows a source holds out for validation: the last val_share of them (at least one)."""
+    return max(1, round(num_windows * source.val_share)) if source.val_share > 0 else 0
 
 
 def check_sources(sources: list[MixtureSource]) -> None:
@@ -162,10 +171,12 @@ class MixtureLoader:
             raise KilnError(f"training.global_batch_size {global_batch_size} must be divisible by "
                             f"local_batch_size {local_batch_size} × data-parallel degree {dp_degree} = "
                             f"{rows_per_microbatch}")
-        for s, w in zip(sources, windows, strict=True):
-            if len(w) == 0:
+        # Each source trains on its first windows; the last val_share of them are held out.
+        self.train_windows = [len(w) - held_out(s, len(w)) for s, w in zip(sources, windows, strict=True)]
+        for s, w, n in zip(sources, windows, self.train_windows, strict=True):
+            if n <= 0:
                 raise KilnError(f"training.sources: {s.path} has no window of seq_len + 1 = {w.seq_len + 1} "
-                                "tokens")
+                                "tokens to train on")
         self.sources, self.windows = sources, windows
         self.names = [s.name for s in sources]
         self.global_batch_size, self.local_batch_size = global_batch_size, local_batch_size
@@ -181,10 +192,10 @@ class MixtureLoader:
         before = self.phase.positions_after(step - 1, self.global_batch_size)
         after = self.phase.positions_after(step, self.global_batch_size)
         sources, windows = [], []
-        for i, w in enumerate(self.windows):
-            count = int(after[i] - before[i])
+        for i, count_after in enumerate(after):
+            count = int(count_after - before[i])
             sources.append(np.full(count, i))
-            windows.append(stream_indices(int(before[i]), count, len(w), self.seed, i))
+            windows.append(stream_indices(int(before[i]), count, self.train_windows[i], self.seed, i))
         order = np.random.default_rng([self.seed, step, 1]).permutation(self.global_batch_size)
         return np.concatenate(sources)[order], np.concatenate(windows)[order]
 
@@ -212,12 +223,12 @@ class MixtureLoader:
         """One line when a source begins a new epoch within this step (it ran out)."""
         before = self.phase.positions_after(step - 1, self.global_batch_size)
         after = self.phase.positions_after(step, self.global_batch_size)
-        for i, w in enumerate(self.windows):
-            first_wrap = -(-max(int(before[i]), 1) // len(w)) * len(w)  # the next multiple of its size
+        for i, n in enumerate(self.train_windows):
+            first_wrap = -(-max(int(before[i]), 1) // n) * n  # the next multiple of its size
             if first_wrap < after[i]:
-                epoch = first_wrap // len(w) + 1
+                epoch = first_wrap // n + 1
                 self.say(f"data    source {self.names[i]} ran out at step {step}: epoch {epoch} of its "
-                         f"{len(w):,} windows, in a new order")
+                         f"{n:,} windows, in a new order")
 
     def __iter__(self) -> "MixtureLoader":
         return self

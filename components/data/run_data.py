@@ -10,7 +10,7 @@ import torch
 
 from components.config.sections import JobConfig
 from components.data.loader import BatchLoader, TokenWindows, validation_batches
-from components.data.mixture import MixtureLoader, check_sources, parse_sources
+from components.data.mixture import MixtureLoader, check_sources, held_out, parse_sources
 from components.data.shards import ShardedTokens, is_prepared
 from components.data.sources import resolve_dataset
 from components.data.streaming import StreamingLoader
@@ -128,13 +128,17 @@ def _mixture_data(cfg: JobConfig, tokenizer: Tokenizer, vocab_size: int, global_
     cache = cache_folder(cfg)
     say = console if ranks.is_main else (lambda line: None)
     terminal = ranks.is_main and sys.stdout.isatty()
-    windows, val_files, val_prepared = [], {}, {}
+    # Per source: its train windows, and (with validation) its validation windows and the first of them.
+    windows: list[TokenWindows] = []
+    val_windows: dict[str, tuple[TokenWindows, int]] = {}
     for s in sources:
         if is_prepared(s.path):  # a prepared token folder: read in place
             windows.append(prepared_windows(s.path, "train", tokenizer, t.seq_len, vocab_size))
             splits = json.loads((Path(s.path) / "index.json").read_text())["splits"]
-            if cfg.validation.enable and "val" in splits:
-                val_prepared[s.name] = prepared_windows(s.path, "val", tokenizer, t.seq_len, vocab_size)
+            if cfg.validation.enable and "val" in splits and not s.val_share:
+                val_windows[s.name] = (prepared_windows(s.path, "val", tokenizer, t.seq_len, vocab_size), 0)
+            elif cfg.validation.enable and s.val_share:
+                val_windows[s.name] = (windows[-1], len(windows[-1]) - held_out(s, len(windows[-1])))
             continue
         try:
             splits = resolve_dataset(s.path, "")
@@ -144,8 +148,10 @@ def _mixture_data(cfg: JobConfig, tokenizer: Tokenizer, vocab_size: int, global_
                                        ranks.workers, say, terminal)
                  for k, v in splits.items() if k == "train" or (k == "val" and cfg.validation.enable)}
         windows.append(TokenWindows(files["train"], t.seq_len, vocab_size))
-        if "val" in files:
-            val_files[s.name] = files["val"]
+        if s.val_share and cfg.validation.enable:
+            val_windows[s.name] = (windows[-1], len(windows[-1]) - held_out(s, len(windows[-1])))
+        elif "val" in files:
+            val_windows[s.name] = (TokenWindows(files["val"], t.seq_len, vocab_size), 0)
     loader = MixtureLoader(sources, windows, global_batch, t.local_batch_size, ranks.dp_rank, ranks.dp,
                            t.seed, say)
     total = sum(s.weight for s in sources)
@@ -160,14 +166,13 @@ def _mixture_data(cfg: JobConfig, tokenizer: Tokenizer, vocab_size: int, global_
                                            ranks.workers, say, terminal)}
         return RunData(loader, None, _validation_batches(cfg, files, vocab_size, global_batch, ranks),
                        description)
-    if not val_files and not val_prepared:
+    if not val_windows:
         raise KilnError("validation.enable with training.sources: no source has a validation split (a "
-                        "folder with train.* and val.* files, or a dataset with one); name what to validate "
-                        "on with --validation.dataset FILE")
-    per_source = {name: _validation_batches(cfg, {"val": f}, vocab_size, global_batch, ranks)
-                  for name, f in val_files.items()}
-    per_source |= {name: validation_batches(w, global_batch // ranks.dp, ranks.dp_rank, ranks.dp,
-                                            cfg.validation.steps) for name, w in val_prepared.items()}
+                        "folder with train.* and val.* files, a dataset with one, or val_share); name what "
+                        "to validate on with --validation.dataset FILE")
+    per_source = {name: validation_batches(w, global_batch // ranks.dp, ranks.dp_rank, ranks.dp,
+                                           cfg.validation.steps, first)
+                  for name, (w, first) in val_windows.items()}
     return RunData(loader, None, None, description + f"; validated per source ({', '.join(per_source)})",
                    per_source)
 

@@ -141,3 +141,23 @@ def test_validation_per_source(corpus, tmp_path):
     losses = rows[0]["val_source_loss"]
     assert min(losses.values()) <= rows[0]["val_loss"] <= max(losses.values())
     assert losses["web"] != losses["code"]
+
+
+def test_toml_tables_and_val_share(corpus, tmp_path):
+    """[[training.sources]] tables with a name, a text field and a held-out share, validated per source."""
+    (tmp_path / "code.jsonl").write_text("".join(
+        json.dumps({"content": json.loads(line)["text"]}) + "\n"
+        for line in (corpus / "code.jsonl").read_text().splitlines()))
+    toml = tmp_path / "mix.toml"
+    toml.write_text(f'[[training.sources]]\npath = "{corpus / "web.jsonl"}"\nweight = 3\nname = "crawl"\n'
+                    f'val_share = 0.05\n\n[[training.sources]]\npath = "{tmp_path / "code.jsonl"}"\n'
+                    'weight = 2\ntext_field = "content"\nval_share = 0.05\n')
+    args = ["--config", str(toml), *TINY[2:], *BATCH, "--training.steps", "2", "--validation.enable",
+            "--validation.freq", "2", "--validation.steps", "1", "--job.dump_folder", str(tmp_path / "run")]
+    proc = run_train(args)
+    check_ok(proc)
+    assert "data    mixture of 2: crawl 60%" in proc.stdout
+    rows = read_metrics(tmp_path / "run")
+    assert all(r["source_tokens"] == {"crawl": 6 * 64, "code": 4 * 64} for r in rows if "loss" in r)
+    (val,) = [r for r in rows if "val_loss" in r]
+    assert set(val["val_source_loss"]) == {"crawl", "code"}

@@ -119,3 +119,16 @@ def test_parse_and_check():
         check_sources(parse_sources("a=0"))
     with pytest.raises(KilnError, match="two sources are named 'web'"):
         check_sources(parse_sources("a/web.jsonl=1,b/web.txt=1"))
+
+
+def test_val_share_holds_the_last_windows_out_of_training():
+    sources = [MixtureSource("a.jsonl", 1.0, val_share=0.25), MixtureSource("b.jsonl", 1.0)]
+    mix = MixtureLoader(sources, [FakeWindows(0, 40), FakeWindows(1, 40)], 8, 8, 0, 1, seed=3,
+                        say=lambda _: None)
+    seen = {s: set() for s in (0, 1)}
+    for k in range(1, 40):  # several epochs of each
+        for s, w in global_rows(mix, k):
+            seen[s].add(w)
+    assert seen[0] == set(range(30)) and seen[1] == set(range(40))
+    with pytest.raises(KilnError, match=r"val_share must be a number in \[0, 1\), got 1.5"):
+        parse_sources('[{"path": "a", "val_share": 1.5}]')
