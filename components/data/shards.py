@@ -70,23 +70,27 @@ def _line_number(path: str, offset: int) -> int:
 
 
 def _jsonl_range(piece: Piece, text_field: str) -> Iterator[str]:
-    """The documents of the lines that start within [start, end) of a JSON-lines file."""
+    """The documents of the lines that start within [start, end) of a JSON-lines file, read in one
+    go (memory: a piece)."""
     with open(piece.path, "rb") as f:
         if piece.start > 0:
             f.seek(piece.start - 1)
             f.readline()  # the rest of the line that began before the range (or its newline)
-        while f.tell() < piece.end:
-            at = f.tell()
-            line = f.readline()
-            if not line:
-                break
-            if not line.strip():
-                continue
+        begin = f.tell()
+        if begin >= piece.end:
+            return
+        data = f.read(piece.end - begin)
+        if not data.endswith(b"\n"):
+            data += f.readline()  # the last line starts inside the range: all of it
+    at = begin
+    for line in data.split(b"\n"):
+        if line.strip():
             yield _text_of_line(line, text_field, piece.path, at)
+        at += len(line) + 1
 
 
 def _text_of_line(line: bytes, text_field: str, path: str, at: int) -> str:
-    """One JSON line's text; a bad line is one error naming the file and line."""
+    """One JSON line's text (without its newline); a bad line is one error naming the file and line."""
     def where() -> str:
         return f"{path}:{_line_number(path, at) + 1}"
 
@@ -140,11 +144,11 @@ def write_shard(documents: Iterator[str], tokenizer: Tokenizer, out: Path, chunk
 
         def flush() -> None:
             nonlocal tokens, largest
-            for ids in tokenizer.encode_batch(chunk, bos=True, eos=True):
-                arr = np.asarray(ids, dtype=dtype)
-                f.write(arr.tobytes())
-                tokens += len(arr)
-                largest = max(largest, int(arr.max()) if len(arr) else -1)
+            arr = np.concatenate([np.asarray(ids, dtype=dtype)
+                                  for ids in tokenizer.encode_batch(chunk, bos=True, eos=True)])
+            f.write(arr.tobytes())
+            tokens += len(arr)
+            largest = max(largest, int(arr.max()) if len(arr) else -1)
             chunk.clear()
             if progress is not None:
                 progress(docs, tokens)

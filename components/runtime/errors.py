@@ -8,10 +8,14 @@ must not wait for ranks that are busy elsewhere. The other ranks, whose collecti
 peer left, see that the error was reported and leave without lines of their own.
 """
 
+from __future__ import annotations
+
 import sys
 import time
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+if TYPE_CHECKING:  # only the store's type: the data tools import this module without torch
+    import torch.distributed as dist
 
 
 class KilnError(Exception):
