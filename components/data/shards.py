@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from components.data.sources import local_files, read_documents
+from components.data.sources import KILN_READS, local_files, read_documents
 from components.data.tokenizer import Tokenizer
 from components.runtime.errors import KilnError
 
@@ -112,7 +112,7 @@ def piece_documents(piece: Piece, text_field: str) -> Iterator[str]:
     if piece.end >= 0:
         return _jsonl_range(piece, text_field)
     name = Path(piece.path).name
-    if name.endswith((".jsonl", ".jsonl.gz", ".txt", ".txt.gz")):
+    if name.endswith(KILN_READS):
         return read_documents(piece.path, text_field)
     from components.data.sources import open_stream, text_of
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import io
 import json
 import os
 from collections.abc import Iterator
@@ -23,16 +24,27 @@ EMBEDDED_DATASETS: dict[str, dict[str, Path]] = {
 }
 
 
-_JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
+_JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 
 
-_TEXT_SUFFIXES = (".txt", ".txt.gz")
+_TEXT_SUFFIXES = (".txt", ".txt.gz", ".txt.zst")
+
+
+KILN_READS = _JSONL_SUFFIXES + _TEXT_SUFFIXES  # read by Kiln itself, not through `datasets`
 
 
 def _open_text(path: Path) -> IO[str]:
-    """Opens a file as UTF-8 text, decompressing it on the fly when it ends in .gz."""
+    """Opens a file as UTF-8 text, decompressing it on the fly when it ends in .gz or .zst."""
     if path.name.endswith(".gz"):
         return gzip.open(path, "rt", encoding="utf-8")
+    if path.name.endswith(".zst"):
+        try:
+            import zstandard
+        except ImportError:
+            raise KilnError(f"{path}: reading .zst files needs the zstandard package "
+                            "(pip install -e \".[zstd]\")") from None
+        raw = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+        return io.TextIOWrapper(raw, encoding="utf-8")
     return open(path, encoding="utf-8")
 
 
@@ -68,6 +80,10 @@ def _decode_errors_as_kiln(path: Path, texts: Iterator[str]) -> Iterator[str]:
         raise KilnError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except (gzip.BadGzipFile, EOFError) as e:
         raise KilnError(f"{path}: broken gzip file ({e})") from None
+    except Exception as e:  # zstandard.ZstdError, without importing zstandard where it is not needed
+        if type(e).__name__ != "ZstdError":
+            raise
+        raise KilnError(f"{path}: broken zstd file ({e})") from None
 
 
 def read_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:

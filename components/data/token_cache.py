@@ -22,7 +22,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from components.data.sources import read_documents
+from components.data.sources import KILN_READS, read_documents
 from components.data.tokenizer import Tokenizer
 from components.runtime.errors import KilnError
 
@@ -145,7 +145,7 @@ def token_job(source: Path | str, tokenizer: Tokenizer, cache_dir: Path,
     if str(source).endswith(".bin"):
         return TokenJob(Path(source))
     p = Path(source)
-    if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz", ".txt", ".txt.gz")):
+    if p.is_file() and p.name.endswith(KILN_READS):
         return _jsonl_job(p, tokenizer, cache_dir, text_field)
     return _stream_job(str(source), tokenizer, cache_dir, text_field)
 

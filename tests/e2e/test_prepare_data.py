@@ -164,3 +164,24 @@ def test_streaming_source_round_trip(tmp_path: Path) -> None:
     assert documents(stream(out), Tokenizer(TOKENIZER)) == SPLITS["train"]
     bad = run_script("--source", str(tmp_path / "docs.parquet"), "--out", str(tmp_path / "x"))
     assert bad.returncode != 0 and "no field 'text'; fields: content, n" in bad.stderr
+
+
+def test_gzip_and_zstd_inputs(tmp_path: Path) -> None:
+    """Compressed jsonl (gzip, zstd) prepares to the plain file's tokens; a broken zstd file is one line."""
+    import gzip
+
+    import zstandard
+
+    raw = corpus(tmp_path / "c.jsonl", 300)
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(raw.read_bytes()))
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw.read_bytes()))
+    streams = []
+    for name in ("c.jsonl", "c.jsonl.gz", "c.jsonl.zst"):
+        proc = run_script("--source", str(tmp_path / name), "--out", str(tmp_path / f"out-{name}"))
+        assert proc.returncode == 0, proc.stderr
+        streams.append(stream(tmp_path / f"out-{name}"))
+    assert all(np.array_equal(streams[0], s) for s in streams[1:])
+    (tmp_path / "bad.jsonl.zst").write_bytes(b"not zstd at all")
+    proc = run_script("--source", str(tmp_path / "bad.jsonl.zst"), "--out", str(tmp_path / "bad"))
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"error: {tmp_path / 'bad.jsonl.zst'}: broken zstd file")
