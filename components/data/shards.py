@@ -48,7 +48,7 @@ def plan_pieces(source: str, piece_bytes: int) -> list[Piece]:
     pieces = []
     for f in files:
         size = f.stat().st_size
-        if f.name.endswith(".jsonl") and size > piece_bytes:
+        if f.name.endswith(".jsonl"):  # byte ranges, read as bytes: a bad line is named by its number
             pieces += [Piece(str(f), a, min(a + piece_bytes, size)) for a in range(0, size, piece_bytes)]
         else:
             pieces.append(Piece(str(f)))

@@ -105,7 +105,8 @@ def read_documents(path: str | Path, text_field: str = "text") -> Iterator[str]:
     return _decode_errors_as_kiln(path, texts)
 
 
-_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text",
+             ".arrow": "arrow"}  # .arrow: the files of a folder `datasets` saved (save_to_disk)
 
 
 _COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".lz4")
@@ -127,6 +128,8 @@ def local_files(source: str) -> list[Path]:
     if p.is_file():
         return [p]
     if p.is_dir():
+        if (p / "state.json").is_file() and any(p.glob("*.arrow")):  # a folder `datasets` saved
+            return sorted(p.glob("*.arrow"))
         return sorted(f for f in p.rglob("*") if f.is_file() and _kind(f))
     if any(c in source for c in "*?["):
         return sorted(Path(f) for f in glob.glob(source, recursive=True) if Path(f).is_file())

@@ -161,3 +161,14 @@ def test_toml_tables_and_val_share(corpus, tmp_path):
     assert all(r["source_tokens"] == {"crawl": 6 * 64, "code": 4 * 64} for r in rows if "loss" in r)
     (val,) = [r for r in rows if "val_loss" in r]
     assert set(val["val_source_loss"]) == {"crawl", "code"}
+
+
+def test_document_masking_on_mixed_windows(corpus, tmp_path):
+    """Masking keeps attention inside each document of a mixed window: it changes the loss (the
+    windows hold several documents), and the run learns as well."""
+    check_ok(mixture_run(corpus, tmp_path / "mask", "--training.document_mask", steps=3))
+    masked, plain = train_rows(tmp_path / "mask"), None
+    check_ok(mixture_run(corpus, tmp_path / "plain", steps=3))
+    plain = train_rows(tmp_path / "plain")
+    assert masked[0]["loss"] != plain[0]["loss"] and relative(masked[0]["loss"], plain[0]["loss"]) < 1e-2
+    assert masked[0]["source_tokens"] == plain[0]["source_tokens"]

@@ -185,3 +185,22 @@ def test_gzip_and_zstd_inputs(tmp_path: Path) -> None:
     proc = run_script("--source", str(tmp_path / "bad.jsonl.zst"), "--out", str(tmp_path / "bad"))
     assert proc.returncode == 1
     assert proc.stderr.startswith(f"error: {tmp_path / 'bad.jsonl.zst'}: broken zstd file")
+
+
+def test_a_folder_datasets_saved(tmp_path: Path) -> None:
+    """A folder written by datasets' save_to_disk reads its .arrow files (not its json metadata)."""
+    import datasets
+
+    datasets.Dataset.from_dict({"text": SPLITS["train"]}).save_to_disk(str(tmp_path / "saved"))
+    proc = run_script("--source", str(tmp_path / "saved"), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    assert documents(stream(tmp_path / "out"), Tokenizer(TOKENIZER)) == SPLITS["train"]
+
+
+def test_bytes_that_are_not_utf8_are_one_line(tmp_path: Path) -> None:
+    raw = corpus(tmp_path / "c.jsonl", 50)
+    data = raw.read_bytes().split(b"\n")
+    data[7] = b'{"text": "caf\xe9"}'  # latin-1, not UTF-8
+    raw.write_bytes(b"\n".join(data))
+    proc = run_script("--source", str(raw), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 1 and proc.stderr.startswith(f"error: {raw}:8: not UTF-8 text"), proc.stderr
