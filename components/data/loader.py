@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from components.data.shards import ShardedTokens
 from components.data.token_cache import token_dtype
 from components.runtime.errors import KilnError
 
@@ -39,10 +40,10 @@ class TokenWindows:
             raise KilnError(f"token file {path} is empty: the dataset has no text")
         if path.stat().st_size % np.dtype(dtype).itemsize:
             raise KilnError(f"token file {path} is not a whole number of {dtype} tokens")
-        self.tokens = np.memmap(path, dtype=dtype, mode="r")
-        if len(self.tokens) and int(self.tokens.max()) >= vocab_size:
+        self.tokens = ShardedTokens.one_file(path, np.dtype(dtype))  # the one-shard case of shards.py
+        if len(self.tokens) and self.tokens.max() >= vocab_size:
             raise KilnError(
-                f"token file {path} holds token id {int(self.tokens.max())}, outside the model's "
+                f"token file {path} holds token id {self.tokens.max()}, outside the model's "
                 f"vocabulary of {vocab_size}: it was made with another tokenizer"
             )
         self.seq_len = seq_len

@@ -200,7 +200,18 @@ def is_prepared(folder: Path | str) -> bool:
 
 
 class ShardedTokens:
-    """The shards of one split read as one stream of tokens (memory maps, nothing loaded)."""
+    """The shards of one split read as one stream of tokens (memory maps, nothing loaded). A flat token
+    file (the run's data cache, or a .bin given as is) is the one-shard case: `one_file`."""
+
+    @classmethod
+    def one_file(cls, path: Path, dtype: np.dtype) -> "ShardedTokens":
+        """A flat token file as a stream of one shard; its largest id is read once."""
+        stream = cls.__new__(cls)
+        stream.folder, stream.split, stream.dtype = path.parent, path.name, np.dtype(dtype)
+        stream.parts = [np.memmap(path, dtype=dtype, mode="r")]
+        stream.offsets = np.array([0, len(stream.parts[0])], dtype=np.int64)
+        stream.max_id = int(stream.parts[0].max()) if len(stream.parts[0]) else -1
+        return stream
 
     def __init__(self, folder: Path | str, split: str, tokenizer_fingerprint: str | None = None) -> None:
         folder = Path(folder)
