@@ -58,6 +58,7 @@ from components.quantization.converters import (
     convert_model,
     resolve_converters,
 )
+from components.runtime.agent_watch import watch_agent
 from components.runtime.distributed import (
     DistInfo,
     exit_cleanly,
@@ -466,6 +467,7 @@ def main(argv: list[str]) -> int:
     """Parse, train, and turn every user error into one line on stderr (from whichever rank finds it)
     and a non-zero exit code."""
     rank = int(os.environ.get("RANK", "0"))
+    watch_agent()  # first: a worker whose agent is gone stops at once
     trainer, store, timeout = None, None, 0
     try:
         cfg = load_config(argv)

@@ -6,8 +6,6 @@ import random
 import re
 import socket
 import sys
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -60,7 +58,6 @@ def init_distributed(timeout_seconds: int) -> DistInfo:
         raise KilnError("WORLD_SIZE > 1 but MASTER_ADDR, MASTER_PORT or RANK is not set: launch with "
                         "torchrun (or set all of them as torchrun would)")
     rank = int(os.environ.get("RANK", "0"))
-    watch_agent()
     share_tokenizer_threads()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -85,30 +82,6 @@ def share_tokenizer_threads() -> None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if local > 1:
         os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // local)))
-
-
-def watch_agent(poll_seconds: float = 1.0) -> None:
-    """Stop this worker when the torchrun agent that started it dies.
-
-    torchrun starts every worker in a session of its own, so a SIGKILLed agent (an OOM kill, a
-    lost node's supervisor) leaves its workers running unsupervised: they would go on training
-    while their agent can no longer restart or stop them. Polling our parent's pid from a daemon
-    thread (not prctl's PDEATHSIG, which fires when the forking *thread* exits) turns that into a
-    worker exit, so the other nodes' collectives fail at once and their agents stop the job.
-    """
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return
-    agent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == agent:
-            time.sleep(poll_seconds)
-        rank = os.environ.get("RANK", "?")
-        print(f"kiln: error: rank {rank}: the torchrun agent of this node (pid {agent}) died; "
-              "stopping this worker", file=sys.stderr, flush=True)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="kiln-agent-watch", daemon=True).start()
 
 
 def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
