@@ -204,3 +204,19 @@ def test_bytes_that_are_not_utf8_are_one_line(tmp_path: Path) -> None:
     raw.write_bytes(b"\n".join(data))
     proc = run_script("--source", str(raw), "--out", str(tmp_path / "out"))
     assert proc.returncode == 1 and proc.stderr.startswith(f"error: {raw}:8: not UTF-8 text"), proc.stderr
+
+
+def test_two_nodes_share_the_work(tmp_path: Path) -> None:
+    """--nodes 2: each node writes every other piece's shard into the shared folder; node 0 writes the
+    index once node 1's shards are there. The stream equals one node's."""
+    raw = corpus(tmp_path / "big.jsonl", 1500)
+    out = tmp_path / "shared"
+    common = ["--source", str(raw), "--out", str(out), "--piece-mb", "0.02", "--nodes", "2"]
+    node0 = run_script(*common, "--node-rank", "0", wait=False)
+    node1 = run_script(*common, "--node-rank", "1")
+    assert node1.returncode == 0, node1.stderr
+    assert "train:" not in node1.stdout  # only node 0 writes (and reports) the index
+    stdout, stderr = node0.communicate(timeout=120)
+    assert node0.returncode == 0, stderr
+    flat = token_file_for(raw, Tokenizer(TOKENIZER), tmp_path / "cache")
+    assert np.array_equal(stream(out), np.fromfile(flat, dtype=np.uint16))
