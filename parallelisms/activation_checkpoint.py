@@ -23,8 +23,9 @@ def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def apply_ac(model: nn.Module, mode: str, selective_option: str = "2") -> None:
-    """Wrap blocks of model.layers in place: mode "full" wraps every block; "selective" wraps every
-    Nth block (selective_option = "N") or every block with the per-op policy (selective_option = "op").
+    """Wrap blocks of model.layers (then those of its multi-token prediction modules) in place: mode
+    "full" wraps every block; "selective" wraps every Nth block (selective_option = "N") or every
+    block with the per-op policy (selective_option = "op").
 
     checkpoint_wrapper is non-reentrant and its state-dict hooks keep the parameter names, so
     checkpoints do not depend on this option. The config checks the mode and option.
@@ -33,13 +34,16 @@ def apply_ac(model: nn.Module, mode: str, selective_option: str = "2") -> None:
         return
     per_op = mode == "selective" and selective_option == "op"
     every = int(selective_option) if mode == "selective" and not per_op else 1
-    for i, (name, block) in enumerate(list(model.layers.items())):
-        if i % every != 0:
-            continue
+    def wrap(block: nn.Module) -> nn.Module:
         if per_op:
-            wrapped = checkpoint_wrapper(
-                block, context_fn=partial(create_selective_checkpoint_contexts, _save_matmuls)
-            )
-        else:
-            wrapped = checkpoint_wrapper(block)
-        model.layers[name] = wrapped
+            policy = partial(create_selective_checkpoint_contexts, _save_matmuls)
+            return checkpoint_wrapper(block, context_fn=policy)
+        return checkpoint_wrapper(block)
+
+    mtp = list((getattr(model, "mtp", None) or {}).values())
+    for i, (name, block) in enumerate(list(model.layers.items())):
+        if i % every == 0:
+            model.layers[name] = wrap(block)
+    for i, module in enumerate(mtp, start=len(model.layers)):
+        if i % every == 0:
+            module.block = wrap(module.block)

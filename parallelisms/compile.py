@@ -18,7 +18,8 @@ def tp_compile_bugs(version: str) -> bool:
 
 
 def apply_compile(model: nn.Module, tensor_parallel: bool = False) -> None:
-    """Compile each block of model.layers (blocks share one graph, so compile time stays small).
+    """Compile each block of model.layers and of its multi-token prediction modules (blocks share one
+    graph, so compile time stays small).
 
     `Module.compile()` compiles in place, unlike `torch.compile(module)`, which wraps the module
     and adds `_orig_mod.` to every parameter name.
@@ -33,7 +34,8 @@ def apply_compile(model: nn.Module, tensor_parallel: bool = False) -> None:
     per_part = tensor_parallel and tp_compile_bugs(torch.__version__)
     if per_part:
         torch._functorch.config.enable_autograd_cache = False
-    for block in model.layers.values():
+    mtp_blocks = [m.block for m in (getattr(model, "mtp", None) or {}).values()]
+    for block in [*model.layers.values(), *mtp_blocks]:
         if per_part:
             for name in ("attention", "feed_forward", "moe"):  # an MoE block has `moe` instead
                 if getattr(block, name, None) is not None:

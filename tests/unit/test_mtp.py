@@ -138,3 +138,18 @@ def test_flops_count_the_modules():
     attention = 6 * args0.n_heads * (args0.qk_head_dim + args0.v_head_dim) * 64
     assert f1 - f0 == 6 * (params1 - params0 - inactive + args0.vocab_size * args0.dim) + attention
     assert get_model_args(spec, "671B").mtp_depth == 1
+
+
+def test_activation_checkpointing_and_compile_reach_the_mtp_block():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from parallelisms.activation_checkpoint import apply_ac
+    from parallelisms.compile import apply_compile
+
+    model, _ = tiny(1)
+    apply_ac(model, "full")
+    assert isinstance(model.mtp["2"].block, CheckpointWrapper)
+    assert all(isinstance(b, CheckpointWrapper) for b in model.layers.values())
+    model, _ = tiny(1)
+    apply_compile(model)
+    assert model.mtp["2"].block._compiled_call_impl is not None
