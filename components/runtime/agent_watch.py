@@ -26,8 +26,8 @@ def _is_launcher(pid: int) -> bool:
     return b"torch" in cmdline
 
 
-def _stop(rank: str, agent: int, when: str) -> None:
-    print(f"kiln: error: rank {rank}: the torchrun agent of this node (pid {agent}) died {when}; "
+def _stop(rank: str, agent: int, when: str = "") -> None:
+    print(f"kiln: error: rank {rank}: the torchrun agent of this node (pid {agent}) died{when}; "
           "stopping this worker", file=sys.stderr, flush=True)
     os._exit(1)
 
@@ -40,11 +40,11 @@ def watch_agent(poll_seconds: float = 0.5) -> None:
     rank = os.environ.get("RANK", "?")
     agent = os.getppid()
     if not _is_launcher(agent):
-        _stop(rank, agent, "while this worker started")
+        _stop(rank, agent, " while this worker started")
 
     def watch() -> None:
         while os.getppid() == agent:
             time.sleep(poll_seconds)
-        _stop(rank, agent, "")
+        _stop(rank, agent)
 
     threading.Thread(target=watch, name="kiln-agent-watch", daemon=True).start()
