@@ -89,6 +89,8 @@ def launch(argv: list[str]) -> None:
     torch_handler = elastic_processes._terminate_process_handler
     elastic_processes._terminate_process_handler = PassStopToWorkers(torch_handler)
     signal.signal(signal.SIGUSR1, pass_usr1_to_workers)
+    # The workers' agent is this process: they check for it by pid (components/runtime/agent_watch.py).
+    os.environ["KILN_AGENT_PID"] = str(os.getpid())
     try:
         torchrun.run(torchrun.parse_args(argv))
     except ChildFailedError as e:

@@ -4,9 +4,10 @@ torchrun starts every worker in a session of its own, so a SIGKILLed agent (an O
 node's supervisor) leaves its workers running unsupervised: they go on training, or retrying the
 dead agent's store, while nothing can restart or stop them — on a GPU node holding the devices a
 replacement needs. Two checks turn that into an exit within a second: at the start of main(), the
-parent must still be a torch launcher (an agent killed while the worker imported torch has already
-left it to another parent); from then on a daemon thread polls the parent's pid (not prctl's
-PDEATHSIG, which fires when the forking *thread* exits). No torch here: it runs before torch loads.
+parent must still be the agent (an agent killed while the worker imported torch has already left it
+to another parent): the pid scripts/launch.py puts in KILN_AGENT_PID, else a process running torch's
+launcher; from then on a daemon thread polls the parent's pid (not prctl's PDEATHSIG, which fires
+when the forking *thread* exits). No torch here: it runs before torch loads.
 """
 
 import os
@@ -16,9 +17,12 @@ import time
 from pathlib import Path
 
 
-def _is_launcher(pid: int) -> bool:
-    """Whether process `pid` is torch's launcher (torchrun, torch.distributed.run); True where /proc
-    cannot tell."""
+def _is_agent(pid: int) -> bool:
+    """Whether process `pid` is this worker's agent: the pid Kiln's launcher announced, else any
+    process running torch's launcher (torchrun, torch.distributed.run); True where /proc cannot tell."""
+    announced = os.environ.get("KILN_AGENT_PID", "")
+    if announced.isdigit():
+        return pid == int(announced)
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
@@ -39,7 +43,7 @@ def watch_agent(poll_seconds: float = 0.5) -> None:
         return
     rank = os.environ.get("RANK", "?")
     agent = os.getppid()
-    if not _is_launcher(agent):
+    if not _is_agent(agent):
         _stop(rank, agent, " while this worker started")
 
     def watch() -> None:

@@ -19,12 +19,18 @@ def workers_alive(marker: str) -> list[int]:
     return [int(pid) for pid in out.split() if int(pid) != os.getpid()]
 
 
-@pytest.mark.parametrize("after_seconds", [0.3, 2.5])
-def test_workers_of_a_killed_agent_exit_at_any_moment_of_start_up(tmp_path, after_seconds):
+LAUNCHERS = {"torchrun": ["-m", "torch.distributed.run"], "launch.py": ["scripts/launch.py"]}
+
+
+@pytest.mark.parametrize(("launcher", "after_seconds"),
+                         [("torchrun", 0.3), ("torchrun", 2.5), ("launch.py", 0.3)])
+def test_workers_of_a_killed_agent_exit_at_any_moment_of_start_up(tmp_path, launcher, after_seconds):
+    """torchrun itself, and scripts/launch.py (run_train.sh's torchrun, which names itself to its
+    workers), killed 0.3 s (workers importing torch) or 2.5 s (reading the config, joining) in."""
     marker = str(tmp_path / "run")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     agent = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+        [sys.executable, *LAUNCHERS[launcher], "--nproc-per-node", "2", "--rdzv-backend", "c10d",
          "--rdzv-endpoint", "localhost:0", "--nnodes", "1", "train.py", *TINY, "--job.dump_folder", marker],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
