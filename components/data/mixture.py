@@ -272,7 +272,3 @@ class MixtureLoader:
                            for n, w in zip(self.names, weights.tolist(), strict=True))
         self.say(f"data    new mixture weights from step {step + 1} ({change}): each source continues "
                  "where it stood")
-
-
-def state_to_json(state: dict) -> str:
-    return json.dumps(state, sort_keys=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from components.data.sources import KILN_READS, local_files, read_documents
+from components.data.sources import KILN_READS, local_files, read_documents, text_of_json_line
 from components.data.tokenizer import Tokenizer
 from components.runtime.errors import KilnError
 
@@ -85,26 +85,9 @@ def _jsonl_range(piece: Piece, text_field: str) -> Iterator[str]:
     at = begin
     for line in data.split(b"\n"):
         if line.strip():
-            yield _text_of_line(line, text_field, piece.path, at)
+            yield text_of_json_line(line.rstrip(b"\r"), text_field,
+                                    lambda at=at: f"{piece.path}:{_line_number(piece.path, at) + 1}")
         at += len(line) + 1
-
-
-def _text_of_line(line: bytes, text_field: str, path: str, at: int) -> str:
-    """One JSON line's text (without its newline); a bad line is one error naming the file and line."""
-    def where() -> str:
-        return f"{path}:{_line_number(path, at) + 1}"
-
-    try:
-        record = json.loads(line.rstrip(b"\r\n"))
-    except UnicodeDecodeError as e:
-        raise KilnError(f"{where()}: not UTF-8 text ({e.reason})") from None
-    except json.JSONDecodeError as e:
-        raise KilnError(f"{where()}: not valid JSON ({e.msg})") from None
-    if not isinstance(record, dict) or text_field not in record:
-        raise KilnError(f"{where()}: no field {text_field!r} in this record")
-    if not isinstance(record[text_field], str):
-        raise KilnError(f"{where()}: field {text_field!r} is not a string")
-    return record[text_field]
 
 
 def piece_documents(piece: Piece, text_field: str) -> Iterator[str]:

@@ -9,7 +9,7 @@ import gzip
 import io
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -48,22 +48,27 @@ def _open_text(path: Path) -> IO[str]:
     return open(path, encoding="utf-8")
 
 
+def text_of_json_line(line: str | bytes, text_field: str, where: Callable[[], str]) -> str:
+    """The text field of one JSON line; a bad line is one error starting with where() (file:line)."""
+    try:
+        record = json.loads(line)
+    except UnicodeDecodeError as e:
+        raise KilnError(f"{where()}: not UTF-8 text ({e.reason})") from None
+    except json.JSONDecodeError as e:
+        raise KilnError(f"{where()}: not valid JSON ({e.msg})") from None
+    if not isinstance(record, dict) or text_field not in record:
+        raise KilnError(f"{where()}: no field {text_field!r} in this record")
+    if not isinstance(record[text_field], str):
+        raise KilnError(f"{where()}: field {text_field!r} is not a string")
+    return record[text_field]
+
+
 def _jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
     """Yields the text field of every non-blank line of a JSON-lines file."""
     with _open_text(path) as f:
         for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise KilnError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or text_field not in record:
-                raise KilnError(f"{path}:{lineno}: no field {text_field!r} in this record")
-            text = record[text_field]
-            if not isinstance(text, str):
-                raise KilnError(f"{path}:{lineno}: field {text_field!r} is not a string")
-            yield text
+            if line.strip():
+                yield text_of_json_line(line, text_field, lambda n=lineno: f"{path}:{n}")
 
 
 def _whole_file(path: Path) -> Iterator[str]:
