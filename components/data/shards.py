@@ -17,7 +17,7 @@ documents per process. Training reads the shards of a split as one stream of tok
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,39 +111,21 @@ def shard_name(split: str, index: int) -> str:
     return f"{split}-{index:05d}.bin"
 
 
-def write_shard(documents: Iterator[str], tokenizer: Tokenizer, out: Path, chunk_docs: int = 512,
-                chunk_chars: int = 1 << 20, progress: Callable[[int, int], None] | None = None) -> dict:
-    """Tokenize documents (BOS + text + EOS each) into `out` in chunks (memory: one chunk), under a
-    temporary name; then its marker. Returns the marker."""
-    from components.data.token_cache import token_dtype, writer_id
+def write_shard(documents: Iterator[str], tokenizer: Tokenizer, out: Path) -> dict:
+    """Tokenize documents (BOS + text + EOS each) into `out` a chunk at a time (memory: one chunk),
+    under a temporary name; then its marker. Returns the marker."""
+    from components.data.token_cache import document_chunks, encode_chunk, token_dtype, writer_id
 
     dtype = token_dtype(tokenizer.vocab_size)
     tmp = out.with_name(f"{out.name}.tmp-{writer_id()}")
     tokens = docs = chars = 0
     largest = -1
     with open(tmp, "wb") as f:
-        chunk: list[str] = []
-        size = 0
-
-        def flush() -> None:
-            nonlocal tokens, largest
-            arr = np.concatenate([np.asarray(ids, dtype=dtype)
-                                  for ids in tokenizer.encode_batch(chunk, bos=True, eos=True)])
+        for chunk in document_chunks(documents):
+            arr = encode_chunk(chunk, tokenizer, dtype)
             f.write(arr.tobytes())
-            tokens += len(arr)
+            docs, chars, tokens = docs + len(chunk), chars + sum(map(len, chunk)), tokens + len(arr)
             largest = max(largest, int(arr.max()) if len(arr) else -1)
-            chunk.clear()
-            if progress is not None:
-                progress(docs, tokens)
-
-        for doc in documents:
-            chunk.append(doc)
-            docs, chars, size = docs + 1, chars + len(doc), size + len(doc)
-            if len(chunk) >= chunk_docs or size >= chunk_chars:
-                flush()
-                size = 0
-        if chunk:
-            flush()
     os.replace(tmp, out)
     marker = {"tokens": tokens, "documents": docs, "characters": chars, "max_id": largest,
               "dtype": dtype.name}

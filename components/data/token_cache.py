@@ -59,14 +59,17 @@ def document_chunks(items: Iterable[str]) -> Iterable[list[str]]:
         yield chunk
 
 
+def encode_chunk(chunk: list[str], tokenizer: Tokenizer, dtype: np.dtype) -> np.ndarray:
+    """The tokens of a chunk of documents (BOS + text + EOS each), in one array."""
+    ids = [np.asarray(doc, dtype=dtype) for doc in tokenizer.encode_batch(chunk, bos=True, eos=True)]
+    return np.concatenate(ids) if ids else np.empty(0, dtype=dtype)
+
+
 def write_chunk(f: BinaryIO, chunk: list[str], tokenizer: Tokenizer, dtype: np.dtype) -> int:
-    """Append the tokens of each document (BOS + text + EOS) to an open file; returns how many."""
-    total = 0
-    for ids in tokenizer.encode_batch(chunk, bos=True, eos=True):
-        arr = np.asarray(ids, dtype=dtype)
-        f.write(arr.tobytes())
-        total += len(arr)
-    return total
+    """Append the tokens of a chunk of documents to an open file, in one write; returns how many."""
+    tokens = encode_chunk(chunk, tokenizer, dtype)
+    f.write(tokens.tobytes())
+    return len(tokens)
 
 
 def publish_token_file(tmp: Path, out: Path, tokens: int, dtype: np.dtype) -> None:
