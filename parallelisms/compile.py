@@ -5,6 +5,8 @@ import torch._functorch.config  # holds the AOTAutograd cache switch; nothing be
 from torch import nn
 from torch.torch_version import TorchVersion
 
+from parallelisms.tensor_parallel import model_blocks
+
 # The torch releases with the tensor-parallel compile bugs apply_compile works around, [from, to).
 # A release outside it gets torch's defaults: check the bugs there before widening pyproject.toml's
 # torch range.
@@ -34,8 +36,7 @@ def apply_compile(model: nn.Module, tensor_parallel: bool = False) -> None:
     per_part = tensor_parallel and tp_compile_bugs(torch.__version__)
     if per_part:
         torch._functorch.config.enable_autograd_cache = False
-    mtp_blocks = [m.block for m in (getattr(model, "mtp", None) or {}).values()]
-    for block in [*model.layers.values(), *mtp_blocks]:
+    for block in model_blocks(model):
         if per_part:
             for name in ("attention", "feed_forward", "moe"):  # an MoE block has `moe` instead
                 if getattr(block, name, None) is not None:

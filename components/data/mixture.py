@@ -186,9 +186,13 @@ class MixtureLoader:
         self.phase = Phase(0, np.array([s.weight for s in sources], dtype=np.float64),
                            np.zeros(len(sources), dtype=np.int64))
         self.step = 1
+        self._last_rows: tuple[int, tuple[np.ndarray, np.ndarray]] = (0, (np.empty(0), np.empty(0)))
 
     def _global_rows(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """(source, window) of every row of the step's global batch, in the order ranks read them."""
+        """(source, window) of every row of the step's global batch, in the order ranks read them
+        (kept for the step last asked: the batch and its per-source metrics ask for the same step)."""
+        if self._last_rows[0] == step:
+            return self._last_rows[1]
         before = self.phase.positions_after(step - 1, self.global_batch_size)
         after = self.phase.positions_after(step, self.global_batch_size)
         sources, windows = [], []
@@ -197,7 +201,9 @@ class MixtureLoader:
             sources.append(np.full(count, i))
             windows.append(stream_indices(int(before[i]), count, self.train_windows[i], self.seed, i))
         order = np.random.default_rng([self.seed, step, 1]).permutation(self.global_batch_size)
-        return np.concatenate(sources)[order], np.concatenate(windows)[order]
+        rows = np.concatenate(sources)[order], np.concatenate(windows)[order]
+        self._last_rows = (step, rows)
+        return rows
 
     def _my_rows(self, values: np.ndarray) -> list[np.ndarray]:
         b, d = self.local_batch_size, self.dp_degree
@@ -252,6 +258,7 @@ class MixtureLoader:
     def load_state_dict(self, state: dict) -> None:
         """Continue the saved phase when the weights are the same, else start a new one at the saved
         step with each source where it stood (a new source starts at its beginning)."""
+        self._last_rows = (0, (np.empty(0), np.empty(0)))
         for key in ("seed", "global_batch_size"):
             if state[key] != getattr(self, key):
                 raise KilnError(f"the checkpoint's mixture was read with {key} {state[key]}, this run has "
