@@ -39,6 +39,7 @@ from components.config.sections import JobConfig
 from components.data.mixture import MixtureLoader
 from components.data.run_data import DataRanks, build_run_data, cache_folder
 from components.data.tokenizer import Tokenizer
+from components.fault_tolerance.replica_groups import ReplicaGroups, check_fault_tolerance, layout_fingerprint
 from components.observability.memory_report import MemoryReport
 from components.observability.metrics import MetricsLogger, fullest_rank_memory_gib
 from components.observability.peak_flops import peak_flops
@@ -51,6 +52,7 @@ from components.observability.run_summary import (
     startup_summary,
 )
 from components.observability.wandb_run import WandbOptions
+from components.observability.weights_digest import weights_digest
 from components.optim.expert_balance import imbalance
 from components.quantization.converters import (
     ConverterContext,
@@ -89,7 +91,10 @@ class Trainer:
     def __init__(self, cfg: JobConfig, info: DistInfo) -> None:
         self.cfg, self.info = cfg, info
         set_seed(cfg.training.seed, cfg.training.deterministic)
-        self.dump = Path(cfg.job.dump_folder)
+        ft = cfg.fault_tolerance
+        check_fault_tolerance(ft)
+        # Each replica group keeps its own records; the checkpoints are the job's.
+        self.dump = Path(cfg.job.dump_folder) / (f"replica_{ft.replica_id}" if ft.enable else "")
         check_paths(cfg)
         self.spec, self.model_args = load_model_family(cfg)
         self.tokenizer = self._build_tokenizer()
@@ -97,8 +102,10 @@ class Trainer:
         self.dims, self.global_batch = self._build_layout()
         self.converter_ctx = ConverterContext(cfg, self.dims.fsdp_enabled, self.dims.tp > 1, info.device.type)
         self.converters = resolve_converters(cfg.model.converters, self.converter_ctx)
-        self.data = build_run_data(cfg, self.tokenizer, self.model_args.vocab_size, self.global_batch,
-                                   self._data_ranks())
+        # Under fault tolerance a step's batch is split over every replica group, live or not.
+        groups = ft.group_size if ft.enable else 1
+        self.data = build_run_data(cfg, self.tokenizer, self.model_args.vocab_size,
+                                   self.global_batch * groups, self._data_ranks())
         # Started before the model exists: on CPU it records every tensor allocation from here on
         # (the corpus, host memory on a GPU machine, is left out).
         self.memory_report = (MemoryReport(info.device, self.dump / f"memory_rank{info.rank}.json", self.dims)
@@ -121,6 +128,7 @@ class Trainer:
         self.peak = local_rank_zero_first(info.local_rank,
                                           lambda: peak_flops(info.device, cfg.metrics.peak_tflops))
         self.metrics = self._build_metrics()
+        self.replicas = self._build_replicas() if ft.enable else None
 
     # ------------------------------------------------------------------ building
 
@@ -161,6 +169,10 @@ class Trainer:
                 worker, workers = info.local_rank, info.world_size // info.nodes
         dp_mesh = self.dims.mesh("dp")
         dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
+        ft = self.cfg.fault_tolerance
+        if ft.enable:  # replica group g reads as data-parallel ranks g·dp .. g·dp + dp - 1 would
+            return DataRanks(ft.replica_id * self.dims.dp + dp_rank, self.dims.dp * ft.group_size, worker,
+                             workers, info.is_main)
         return DataRanks(dp_rank, self.dims.dp, worker, workers, info.is_main)
 
     def _build_model(self) -> ModelParts:
@@ -200,7 +212,8 @@ class Trainer:
                   "dataloader": self._loader_state(streaming),
                   "train_state": self.state}
         return CheckpointManager(
-            self.dump / c.folder, states, enable=c.enable or c.create_seed_checkpoint, interval=c.interval,
+            Path(self.cfg.job.dump_folder) / c.folder, states, enable=c.enable or c.create_seed_checkpoint,
+            interval=c.interval,
             keep_latest_k=c.keep_latest_k, load_step=c.load_step, async_mode=c.async_mode,
             last_save_model_only=c.last_save_model_only, export_dtype=c.export_dtype,
             exclude_from_loading=c.exclude_from_loading, is_main=self.info.is_main,
@@ -223,7 +236,26 @@ class Trainer:
                  if m.enable_wandb else None)
         return MetricsLogger(self.dump, is_main=self.info.is_main, device=self.info.device,
                              flops_per_token=self.flops_per_token, peak=self.peak,
-                             total_steps=self.cfg.training.steps, tensorboard_dir=tb, wandb=wandb)
+                             total_steps=self.cfg.training.steps, tensorboard_dir=tb, wandb=wandb,
+                             replica_groups=self.cfg.fault_tolerance.group_size
+                             if self.cfg.fault_tolerance.enable else 0)
+
+    def _build_replicas(self) -> ReplicaGroups:
+        """This group's torchft Manager: what a joining group heals from, and the gradient average
+        across the live groups."""
+        cfg, d = self.cfg, self.dims
+        if cfg.training.dataset_mode == "streaming":
+            raise KilnError("fault_tolerance.enable cannot heal a streaming loader's per-rank positions: "
+                            "train from a file, a mixture or a prepared folder")
+        layout = (f"{cfg.model.name}/{cfg.model.flavor} {self.model.num_params} world {d.world_size} "
+                  f"dp {d.dp_replicate}x{d.dp_shard} tp {d.tp} pp {d.pp} cp {d.cp} ep {d.ep} "
+                  f"batch {self.global_batch} seq {cfg.training.seq_len} {cfg.fault_tolerance.semi_sync}")
+        replicas = ReplicaGroups(cfg.fault_tolerance, self.info.rank, self.info.world_size, self.info.device,
+                                 layout_fingerprint(layout))
+        replicas.register_state(self.checkpoint.states)
+        replicas.attach(self.model.parts)
+        self.train_step.replicas = replicas
+        return replicas
 
     def summary(self) -> str:
         """The start-up lines: model, layout, batch, data, precision and the MFU peak."""
@@ -237,7 +269,7 @@ class Trainer:
             backend=dist.get_backend() if dist.is_initialized() else "none",
             device_type=self.info.device.type, global_batch=self.global_batch,
             microbatches=self.data.loader.microbatches, data=self.data.description,
-            mtp_depth=model.mtp_depth,
+            mtp_depth=model.mtp_depth, dump=self.dump,
             numerics=self._numerics(), peak=self.peak))
         if self.cfg.comm.gloo_accelerations:  # opt-in, so said whenever asked for
             done = "; ".join(self.model.accelerations) or "none apply to this layout or backend"
@@ -270,6 +302,8 @@ class Trainer:
         cfg, t, st = self.cfg, self.cfg.training, self.state
         self.say(self.summary())
         resumed = self.restore() and st.step > 0  # a seed checkpoint (step-0) starts a new run
+        if self.replicas is not None:
+            self.replicas.set_step(st.step)
         if st.step >= t.steps:
             self.say(f"nothing to do: the run already reached step {st.step} (training.steps = {t.steps}); "
                      "raise training.steps to train further")
@@ -281,10 +315,12 @@ class Trainer:
         # A fresh metrics file unless the run resumed (then its rows continue the earlier ones).
         self.metrics.open(append=resumed, start_step=st.step)
         stop, gc_control = StopRequest(), GarbageCollection(t.gc_freq)
-        tokens_per_step = self.global_batch * t.seq_len
+        tokens_per_step = self.global_batch * t.seq_len  # of this replica group, under fault tolerance
         first_step, first_tokens, started, stopped_by = st.step, st.tokens_seen, time.perf_counter(), ""
-        with self._profiler() as profiler:
+        with self._profiler() as profiler, self._semi_sync():
             while st.step < t.steps:
+                if not self._join_step():
+                    break
                 st.step += 1
                 lr = self.schedulers[0].get_last_lr()[0]
                 if self.memory_report is not None:
@@ -292,18 +328,25 @@ class Trainer:
                 loss_sum, local_tokens, grad_norm = self.train_step(self.data.loader.batch(st.step))
                 if self.memory_report is not None:
                     self.memory_report.step_ends(st.step, self.model.parts, self.optimizers)
-                st.tokens_seen += tokens_per_step
+                if not self.train_step.committed:
+                    self.say(f"step {st.step} discarded: a replica group failed during it; it runs again "
+                             "with the live groups")
+                    st.step -= 1
+                    continue
+                st.tokens_seen += tokens_per_step * self.live_groups()
                 self.metrics.count_tokens(tokens_per_step // self.info.world_size)
                 last = st.step == t.steps
                 if st.step % cfg.metrics.log_freq == 0 or last:
                     loss, loss_tokens = self.train_step.global_mean(loss_sum, local_tokens)
                     self.metrics.log_step(st.step, loss, grad_norm.item(), lr, st.tokens_seen,
                                           {"loss_tokens": loss_tokens, **self.mtp_metrics(),
-                                           **self.source_metrics(st.step), **self.moe_metrics()})
+                                           **self.source_metrics(st.step), **self.moe_metrics(),
+                                           **self.replica_metrics(st.step)})
                 if cfg.validation.enable and (st.step % cfg.validation.freq == 0 or last):
                     self.validate()
                 preempted = stop.agreed(self.info.device)
-                if self.checkpoint.should_save(st.step, last) or (preempted and self.checkpoint.enable):
+                if ((self.checkpoint.should_save(st.step, last) or (preempted and self.checkpoint.enable))
+                        and (self.replicas is None or self.replicas.writes_checkpoints())):
                     self.save_checkpoint(last)
                 self.checkpoint.poll()
                 gc_control.maybe_collect(st.step)
@@ -324,6 +367,52 @@ class Trainer:
             peak_mem_gib=fullest_rank_memory_gib(self.info.device),
             checkpoint=self.last_checkpoint, checkpointing=self.checkpoint.enable, dump=self.dump,
             stopped_by=stopped_by, compiled_graphs=compiled_graphs() if cfg.compile.enable else None)))
+        if self.replicas is not None:
+            self.say(self.replicas.summary(st.step - first_step))
+            self.replicas.shutdown()
+
+    def _semi_sync(self) -> contextlib.AbstractContextManager:
+        """DiLoCo around the loop (fault_tolerance.semi_sync), else nothing."""
+        if self.replicas is None or self.replicas.per_step:
+            return contextlib.nullcontext()
+        from components.fault_tolerance.diloco import diloco
+
+        return diloco(self.replicas.manager, self.model.parts, self.optimizers, self.cfg.fault_tolerance)
+
+    def _join_step(self) -> bool:
+        """Under fault tolerance, join this step's quorum of replica groups first (a group that is
+        behind heals here and continues from the live groups' step); False when a heal took the run
+        to its end."""
+        if self.replicas is None or not self.replicas.per_step:
+            return True
+        heals = len(self.replicas.events.heals)
+        self.replicas.start_step()
+        if len(self.replicas.events.heals) > heals:
+            self.say(f"healed from a live replica group in {self.replicas.events.heals[-1]:.2f} s: weights, "
+                     f"optimizer, LR schedule and data position now at step {self.state.step}")
+        return self.state.step < self.cfg.training.steps
+
+    def live_groups(self) -> int:
+        """Replica groups that took part in the step (1 without fault tolerance)."""
+        if self.replicas is None:
+            return 1
+        if self.replicas.per_step:
+            return len(self.replicas.events.live)
+        return max(self.replicas.manager.num_participants(), 1)
+
+    def replica_metrics(self, step: int) -> dict:
+        """Under fault tolerance: the live groups of the step, the lines about groups that came or
+        went, and (every fault_tolerance.weights_digest_freq steps) the weights' digest."""
+        if self.replicas is None:
+            return {}
+        for line in self.replicas.take_lines():
+            self.say(line)
+        row = {"replicas": self.live_groups()}
+        every = self.cfg.fault_tolerance.weights_digest_freq
+        if every and step % every == 0:
+            row["weights_digest"] = weights_digest(self.model.parts)
+            row["optimizer_digest"] = weights_digest(self.model.parts, self.optimizers)
+        return row
 
     def _keep_earlier_records(self) -> None:
         """A new run (nothing resumed) in a folder holding another run's records moves them aside."""

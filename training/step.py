@@ -31,6 +31,7 @@ from parallelisms.tensor_parallel import loss_context
 from parallelisms.tied_weights import TiedWeightSync
 
 if TYPE_CHECKING:
+    from components.fault_tolerance.replica_groups import ReplicaGroups
     from training.assembly import ModelParts
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]  # a step's microbatches of (inputs, labels)
@@ -109,6 +110,9 @@ class TrainStep:
         self.mtp_count = torch.zeros((), dtype=torch.float64, device=self.device)
         self.pipeline = (self._build_pipeline(model, setup, stage_shapes) if dims.pp > 1 else None)
         # A tied embedding cut into two stages' copies stays one weight (parallelisms/tied_weights.py).
+        # Fault tolerance (components/fault_tolerance): this group among the live replica groups.
+        self.replicas: ReplicaGroups | None = None
+        self.committed = True  # whether the last step's optimizer step ran
         self.tied = (TiedWeightSync(parts, model.stage_ids, model.tied_names, dims, options.pp_schedule,
                                     model.num_stages) if model.tied_names and dims.pp > 1 else None)
 
@@ -178,10 +182,13 @@ class TrainStep:
         step = [self.shard_sequence(x, y, next_tokens_of(y, self.mtp_depth) if self.mtp_depth else None)
                 for x, y in microbatches]
         local_tokens, global_tokens = self.count_tokens([(x, y) for x, y, _ in step])
+        live = 1
+        if self._per_step_replicas():
+            global_tokens, live = self.replicas.exchange(global_tokens)
         # Every rank's loss is a sum over its tokens scaled by dp·cp / global tokens: the gradient
         # average over data- and context-parallel ranks (÷ dp·cp) then yields the gradient of the
-        # mean over the global batch.
-        scale = self.dims.dp * self.dims.cp / global_tokens
+        # mean over the global batch (and so does the average over the live replica groups, ÷ live).
+        scale = self.dims.dp * self.dims.cp * live / global_tokens
         set_aux_loss_scale(self.moe_layers, scale)
         if self.pipeline is not None:
             loss_sum = self._pipeline_forward_backward(step, scale)
@@ -231,11 +238,18 @@ class TrainStep:
         if self.tied is not None:
             self.tied.sum_gradients()
         params = [p for part in self.parts for p in part.parameters()]
+        if self.replicas is not None and self.replicas.reduce_after_backward:
+            self.replicas.reduce_gradients(params)
         reduce_partial_gradients(params)  # sequence-parallel norm weights: once, not per reader
         pp_mesh = self.dims.mesh("pp")
         pp_group = pp_mesh.get_group() if pp_mesh is not None else None
         grad_norm = clip_grad_norm(params, self.max_norm, pp_group,
                                    counted_elsewhere=self.tied.second_copies if self.tied is not None else [])
+        self.committed = not self._per_step_replicas() or self.replicas.commit()
+        if not self.committed:  # a replica group failed during the step: it is run again
+            for opt in self.optimizers:
+                opt.zero_grad(set_to_none=True)
+            return grad_norm
         for opt in self.optimizers:
             opt.step()
         if self.after_optimizer_step is not None:
@@ -249,7 +263,13 @@ class TrainStep:
 
     def balance_experts(self) -> dict[str, list[int]]:
         """Move every MoE layer's expert bias from this step's global load; returns the load."""
-        return balance_experts(self.moe_layers, self.loss_group)
+        across = self.replicas.sum_across if self._per_step_replicas() else None
+        return balance_experts(self.moe_layers, self.loss_group, across)
+
+    def _per_step_replicas(self) -> bool:
+        """Whether gradients (and so token counts and expert loads) are averaged across replica groups
+        every step."""
+        return self.replicas is not None and self.replicas.per_step
 
     def shard_sequence(self, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         """This rank's share of the sequences (dimension 1) under context parallel (all of them
@@ -290,6 +310,8 @@ class TrainStep:
         if self.pipeline is not None:
             both = both if self.pipeline.has_last else torch.zeros_like(both)
             dist.all_reduce(both, group=self.dims.mesh("pp").get_group())
+        if self._per_step_replicas():
+            both = self.replicas.sum_across(both)
         return (both[0] / both[1]).item(), int(both[1].item())
 
     def expert_load_of_all_stages(self) -> dict[str, list[int]]:

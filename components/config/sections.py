@@ -345,6 +345,38 @@ class Comm:
 
 
 @dataclass
+class FaultTolerance:
+    """Replica groups through torchft (the [ft] extra): each group is its own torchrun job running any
+    layout; groups join and leave a quorum kept by a lighthouse, and a joining group heals from a
+    live one (docs/fault_tolerance.md)."""
+
+    enable: bool = _opt(False, "train as one replica group of a fault-tolerant job")
+    replica_id: int = _opt(0, "this group's number, 0 .. group_size - 1", _ge(0))
+    group_size: int = _opt(1, "replica groups the data is split over (live or not)", _ge(1))
+    lighthouse: str = _opt(
+        "", "the lighthouse's address, e.g. http://host:29510; '' = the TORCHFT_LIGHTHOUSE variable"
+    )
+    min_replicas: int = _opt(1, "groups a step needs to commit", _ge(1))
+    timeout_seconds: float = _opt(
+        60.0, "cross-group collectives, commits and healing give up after this", _ge(0.1)
+    )
+    quorum_timeout_seconds: float = _opt(
+        120.0, "how long a step waits for a quorum (enough live groups) before the run fails", _ge(0.1)
+    )
+    semi_sync: Literal["none", "diloco"] = _opt(
+        "none", "none: gradients averaged across groups every step; diloco: each group steps alone "
+        "and the groups average their progress every sync_every steps (outer Nesterov step)"
+    )
+    sync_every: int = _opt(20, "DiLoCo: inner steps between outer steps", _ge(1))
+    outer_lr: float = _opt(0.7, "DiLoCo: the outer optimizer's learning rate", _ge(0))
+    outer_momentum: float = _opt(0.9, "DiLoCo: the outer optimizer's Nesterov momentum", _between(0, 1))
+    weights_digest_freq: int = _opt(
+        0, "every N steps log `weights_digest` and `optimizer_digest`, hashes of this group's weights and "
+        "optimizer state (groups that agree log the same ones); 0 = never", _ge(0)
+    )
+
+
+@dataclass
 class JobConfig:
     """The whole run's configuration: one instance of each section."""
 
@@ -362,5 +394,6 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     # The --config file's folder, where job.custom_import is also looked for (not a setting).
     config_dir: ClassVar[str] = ""

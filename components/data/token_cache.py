@@ -192,9 +192,17 @@ def prepare_token_file(job: TokenJob, tokenizer: Tokenizer, worker: int = 0, wor
         def parts_done() -> int:
             return sum(_meta_path(job.out, w, workers).exists() for w in range(workers))
 
-        _wait_for(lambda: parts_done() == workers,
+        # Another job sharing the cache (a second replica group) may have joined the parts first.
+        _wait_for(lambda: job.out.exists() or parts_done() == workers,
                   lambda: f"the ranks' parts of {job.out.name} ({parts_done()}/{workers} done)", say)
-        tokens = _join_parts(job.out, workers)
+        if job.out.exists():
+            return job.out
+        try:
+            tokens = _join_parts(job.out, workers)
+        except FileNotFoundError:  # the other job joined while this one read the parts
+            if not job.out.exists():
+                raise
+            return job.out
         say(f"tokenized {job.out.name}: {tokens:,} tokens on {workers} ranks in "
             f"{time.monotonic() - started:.1f} s")
     else:

@@ -57,8 +57,9 @@ class MetricsLogger:
     def __init__(self, dump_folder: Path, *, is_main: bool, device: torch.device,
                  flops_per_token: int, peak: PeakFlops, total_steps: int,
                  tensorboard_dir: Path | None = None, terminal: bool | None = None,
-                 wandb: WandbOptions | None = None) -> None:
+                 wandb: WandbOptions | None = None, replica_groups: int = 0) -> None:
         self.is_main = is_main
+        self.replica_groups = replica_groups  # fault tolerance: the step line says how many were live
         # A progress bar only where a person watches; CI logs and files get plain lines.
         self.terminal = sys.stdout.isatty() if terminal is None else terminal
         self._eta_origin: tuple[int, float] | None = None
@@ -124,6 +125,8 @@ class MetricsLogger:
             if row.get("source_loss"):
                 tail += "  " + " ".join(f"{name} {loss:.3f}" for name, loss in row["source_loss"].items()
                                         if loss is not None)
+            if "replicas" in row:
+                tail += f"  replicas {row['replicas']}/{self.replica_groups}"
             if row.get("moe_imbalance"):
                 worst = max(row["moe_imbalance"].items(), key=lambda kv: kv[1])
                 tail += f"  experts max/mean {worst[1]:.2f} (layer {worst[0]})"

@@ -25,12 +25,14 @@ class RunFacts:
     numerics: str  # what computes in which dtype, as the layout really does it
     peak: PeakFlops
     mtp_depth: int = 0  # multi-token prediction modules
+    dump: Path | None = None  # where this process's records go (a replica group's own folder)
 
 
 def startup_summary(cfg: JobConfig, run: RunFacts) -> str:
     """Model, layout, batch, data, numerics, the MFU peak and where the outputs go."""
     t = cfg.training
     nodes = f" on {run.nodes} nodes × {run.world_size // run.nodes} processes" if run.nodes > 1 else ""
+    dump = run.dump if run.dump is not None else Path(cfg.job.dump_folder)
     return "\n".join([
         f"Kiln · {cfg.model.name}/{cfg.model.flavor} · {run.num_params / 1e6:,.2f}M parameters "
         f"({(run.num_params - run.embedding_params) / 1e6:,.2f}M non-embedding) · "
@@ -44,8 +46,20 @@ def startup_summary(cfg: JobConfig, run: RunFacts) -> str:
         f"numbers {run.numerics}; AC "
         f"{cfg.activation_checkpoint.mode}; compile {'on' if cfg.compile.enable else 'off'}",
         f"MFU     peak {run.peak.tflops:,.3f} TFLOP/s per device ({run.peak.source})",
-        f"output  {Path(cfg.job.dump_folder) / 'metrics.jsonl'}; {t.steps} steps",
+        *([replicas_line(cfg)] if cfg.fault_tolerance.enable else []),
+        f"output  {dump / 'metrics.jsonl'}; {t.steps} steps",
     ])
+
+
+def replicas_line(cfg: JobConfig) -> str:
+    """Fault tolerance: which replica group this is, and what the groups do together."""
+    ft = cfg.fault_tolerance
+    how = ("gradients averaged over the live groups every step" if ft.semi_sync == "none" else
+           f"DiLoCo: an outer step every {ft.sync_every} steps (lr {ft.outer_lr:g}, Nesterov "
+           f"{ft.outer_momentum:g})")
+    return (f"replicas group {ft.replica_id} of {ft.group_size} (torchft), {how}; a step commits with "
+            f"{ft.min_replicas}+ live; a missing group's rows are skipped; checkpoints in "
+            f"{Path(cfg.job.dump_folder) / cfg.checkpoint.folder} by the first live group")
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 bias and feeds the metrics. Duck-typed (a layer has `tokens_per_expert` and `update_expert_bias`),
 so components/ stays free of models/."""
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -32,15 +34,18 @@ def reset_expert_load(layers: list[tuple[str, nn.Module]]) -> None:
 
 
 @torch.no_grad()
-def balance_experts(layers: list[tuple[str, nn.Module]], group: dist.ProcessGroup | None
-                    ) -> dict[str, list[int]]:
-    """Sum each layer's expert counts over the ranks that saw different tokens, update the expert
-    bias from them, reset the counters; returns {layer: tokens per expert} for this step."""
+def balance_experts(layers: list[tuple[str, nn.Module]], group: dist.ProcessGroup | None,
+                    across: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, list[int]]:
+    """Sum each layer's expert counts over the ranks that saw different tokens (and, with `across`,
+    over the live replica groups, so that every group moves its bias alike), update the expert bias
+    from them, reset the counters; returns {layer: tokens per expert} for this step."""
     if not layers:
         return {}
     counts = torch.stack([m.tokens_per_expert for _, m in layers]).double()
     if group is not None:
         dist.all_reduce(counts, group=group)
+    if across is not None:
+        counts = across(counts)
     for (_, module), c in zip(layers, counts, strict=True):
         module.update_expert_bias(c.to(module.tokens_per_expert.dtype))
     return {name: [int(x) for x in c.tolist()] for (name, _), c in zip(layers, counts, strict=True)}

@@ -110,7 +110,11 @@ PRIVATE_APIS: dict[str, str] = {
     "torch.distributed._tools.fake_collectives.CollectiveOp.get_comm_tensor_size": _FAKE_COLLECTIVES,
     "torch.distributed._tools.fake_collectives.CollectiveOp.get_process_group": _FAKE_COLLECTIVES,
     "torch.distributed._tools.fake_collectives.CollectiveOp.sum_tensors": _FAKE_COLLECTIVES,
-    "torch.utils._pytree.tree_flatten": "planning/step_tracker.py: the tensors in an op's output",
+    "torch.utils._pytree.tree_flatten": "planning/step_tracker.py: the tensors in an op's output; "
+                                        "components/fault_tolerance/heal_state.py: a state's tensors",
+    "torch.utils._pytree.tree_map": "components/fault_tolerance/heal_state.py: a state sent as local shards",
+    "torch.utils._pytree.tree_unflatten": "components/fault_tolerance/heal_state.py: a received state "
+                                          "rebuilt like this group's own",
     "torch.testing._internal.distributed.fake_pg": "planning/fake_world.py: registers the fake backend",
     "torch._C._distributed_c10d.FakeStore": "planning/fake_world.py: the fake world's store",
     "torch.distributed.pipelining.schedules.Schedule1F1B._n_microbatches": "planning/pipeline_bubble.py: "

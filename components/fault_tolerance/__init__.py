@@ -1,0 +1,1 @@
+"""Fault tolerance across replica groups through torchft: quorum, gradient averaging, healing."""
