@@ -20,9 +20,14 @@ def _local_bytes(tensor: torch.Tensor) -> bytes:
 
 
 def local_digest(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer] | None) -> bytes:
-    """sha256 of this rank's shards of every parameter (optimizers None) or of every optimizer state
-    tensor, in parameter order."""
+    """sha256 of this rank's shards of every buffer and parameter (optimizers None) or of every
+    optimizer state tensor, in parameter order."""
     digest = hashlib.sha256()
+    if optimizers is None:  # buffers that training moves too (an MoE layer's expert bias)
+        for part in parts:
+            for name, buffer in part.named_buffers():
+                digest.update(name.encode())
+                digest.update(_local_bytes(buffer))
     for i, part in enumerate(parts):
         for name, param in part.named_parameters():
             digest.update(name.encode())

@@ -13,6 +13,7 @@ and the bad inputs refused in one line before any training.
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -106,26 +107,66 @@ def agree_where_both_logged(dump: Path) -> int:
     return len(shared)
 
 
-def test_two_groups_train_as_one_hsdp_job(tmp_path):
-    """(a) Group g's rank r reads data-parallel rank 2g + r of 4: the rows HSDP 2 × 2 gives rank 2g + r."""
-    reference = tmp_path / "hsdp"
-    check_ok(run_train([*TINY, "--training.steps", "6", "--job.dump_folder", str(reference),
-                        "--parallelism.data_parallel_replicate_degree", "2",
-                        "--parallelism.data_parallel_shard_degree", "2"], nproc=4))
-    dump = tmp_path / "ft"
+MOE = ["--model.name", "moe", "--training.global_batch_size", "8", "--training.local_batch_size", "4",
+       "--parallelism.expert_parallel_degree", "2"]
+TP2, PP2 = ["--parallelism.tensor_parallel_degree", "2"], ["--parallelism.pipeline_parallel_degree", "2"]
+SHARD2 = ["--parallelism.data_parallel_shard_degree", "2"]
+# Inside each group -> the 4-process job whose data-parallel ranks read the same rows. FSDP takes
+# FSDP's all-reduce hook across groups; TP and PP alone take the average after the backward.
+LAYOUTS = {
+    "fsdp2": ([], ["--parallelism.data_parallel_replicate_degree", "2", *SHARD2]),
+    "tp2": (TP2, [*TP2, *SHARD2]),
+    "pp2": (PP2, [*PP2, *SHARD2]),
+    "moe_fsdp2_ep2": (MOE, [*MOE, "--training.global_batch_size", "16"]),
+}
+
+
+def two_groups(dump: Path, extra: list[str], steps: int) -> list[subprocess.CompletedProcess]:
     with lighthouse(min_replicas=2) as address:
-        groups = [Group(group_args(g, address, dump, min_replicas=2)) for g in (0, 1)]
-        results = [g.wait() for g in groups]
-    for result in results:
+        groups = [Group(group_args(g, address, dump, *extra, steps=steps, min_replicas=2)) for g in (0, 1)]
+        return [g.wait() for g in groups]
+
+
+def assert_rows_match(reference: list[dict], got: list[dict]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in reference]
+    for ref, row in zip(reference, got, strict=True):
+        tol = 1e-5 if ref["step"] == 1 else 1e-4
+        assert relative(row["loss"], ref["loss"]) <= tol, ref["step"]
+        assert relative(row["grad_norm"], ref["grad_norm"]) <= tol, ref["step"]
+        assert row["loss_tokens"] == ref["loss_tokens"] and row["replicas"] == 2
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_groups_train_as_one_job_of_both(layout, tmp_path):
+    """(a) Group g's rank r reads data-parallel rank 2g + r of 4: the rows the 4-process job gives its
+    data-parallel rank 2g + r, so the losses and grad norms are that job's. With FSDP, the first live
+    group writes the checkpoints, and both groups started again resume from step 6 exactly."""
+    inside, whole = LAYOUTS[layout]
+    steps = 9 if layout == "fsdp2" else 5
+    reference = tmp_path / "whole"
+    check_ok(run_train([*TINY, "--training.steps", str(steps), "--job.dump_folder", str(reference), *whole],
+                       nproc=4))
+    dump = tmp_path / "ft"
+    saving = ["--checkpoint.enable", "--checkpoint.interval", "3"] if layout == "fsdp2" else []
+    for result in two_groups(dump, [*inside, *saving], steps):
         check_ok(result)
         assert "replicas group" in result.stdout and "replicas 2/2" in result.stdout
-        assert "replicas: 6 of 6 steps committed with all 2 groups, 0 with fewer" in result.stdout
-    assert agree_where_both_logged(dump) == 6
-    for ref, got in zip(train_rows(reference), rows(dump, 0), strict=True):
-        tol = 1e-5 if ref["step"] == 1 else 1e-4
-        assert relative(got["loss"], ref["loss"]) <= tol, ref["step"]
-        assert relative(got["grad_norm"], ref["grad_norm"]) <= tol, ref["step"]
-        assert got["loss_tokens"] == ref["loss_tokens"] and got["replicas"] == 2
+        assert (f"replicas: {steps} of {steps} steps committed with all 2 groups, 0 with fewer"
+                in result.stdout)
+    assert agree_where_both_logged(dump) == steps
+    uninterrupted = rows(dump, 0)
+    assert_rows_match(train_rows(reference), uninterrupted)
+    if layout != "fsdp2":
+        return
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-3", "step-6", "step-9"]
+    shutil.rmtree(dump / "checkpoint" / "step-9")
+    for result in two_groups(dump, saving, steps):
+        check_ok(result)
+        assert f"resumed from {dump / 'checkpoint' / 'step-6'}" in result.stdout
+    exact = ("step", "loss", "grad_norm", "lr", "tokens", "weights_digest", "optimizer_digest")
+    for group in (0, 1):  # the resumed rows follow each group's earlier ones
+        assert [[r[k] for k in exact] for r in rows(dump, group)[-3:]] == \
+               [[r[k] for k in exact] for r in uninterrupted[-3:]]
 
 
 def test_a_killed_group_is_dropped_and_heals_when_started_again(tmp_path):
