@@ -16,13 +16,25 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.runs import TINY, WARM, check_ok, fails_with, read_metrics, relative, run_train, train_rows
+from tests.helpers.runs import (
+    ONE_THREAD_UNBUFFERED,
+    REPO,
+    TINY,
+    WARM,
+    check_ok,
+    fails_with,
+    read_metrics,
+    relative,
+    run_train,
+    train_rows,
+)
 
 HEARTBEAT_MS = 1000
 FT_TIMEOUT = "5"  # seconds a cross-group collective waits for a silent group
@@ -265,3 +277,18 @@ def test_groups_that_cannot_train_together_are_refused_at_step_one(case, tmp_pat
     for result in results:
         fails_with(result, expected)
         assert "step 1/" not in result.stdout
+
+
+def test_ft_launch_starts_a_lighthouse_and_the_groups(tmp_path):
+    """scripts/ft_launch.py as the docs run it (real torchrun jobs, one process per group)."""
+    proc = subprocess.run(
+        [sys.executable, "scripts/ft_launch.py", "--groups", "2", "--nproc-per-group", "1", "--port", "0",
+         "--min-replicas", "2", "--", *TINY, "--training.steps", "4", "--job.dump_folder", str(tmp_path)],
+        cwd=REPO, env={**os.environ, **ONE_THREAD_UNBUFFERED}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "ft_launch: lighthouse at http://" in proc.stdout
+    for group in (0, 1):
+        assert f"[group {group}] step 4/4" in proc.stdout
+        assert f"[group {group}] replicas: 4 of 4 steps committed with all 2 groups" in proc.stdout
+    assert "ft_launch: groups ended with 0: 0, 1: 0" in proc.stdout
+    assert "torchft::" not in proc.stdout  # torchft's own per-quorum logging stays quiet
