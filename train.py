@@ -368,7 +368,8 @@ class Trainer:
             checkpoint=self.last_checkpoint, checkpointing=self.checkpoint.enable, dump=self.dump,
             stopped_by=stopped_by, compiled_graphs=compiled_graphs() if cfg.compile.enable else None)))
         if self.replicas is not None:
-            self.say(self.replicas.summary(st.step - first_step))
+            if self.replicas.per_step:  # DiLoCo's outer steps commit on their own
+                self.say(self.replicas.summary())
             self.replicas.shutdown()
 
     def _semi_sync(self) -> contextlib.AbstractContextManager:

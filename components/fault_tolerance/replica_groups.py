@@ -75,6 +75,7 @@ class ReplicaEvents:
     """What the groups did during the run, for its console lines and end summary."""
 
     live: list[int] = field(default_factory=list)  # replica ids in the last exchange
+    committed: int = 0  # steps this group committed with others (not those it healed past)
     steps_short: int = 0  # steps committed with fewer than group_size groups
     discarded: int = 0  # steps a group failed during, run again
     heals: list[float] = field(default_factory=list)  # this group's heal times (seconds)
@@ -152,7 +153,14 @@ class ReplicaGroups:
     def start_step(self) -> None:
         """Join this step's quorum; a group that is behind heals here, before its forward."""
         self._heal_started, self._healed_seconds = time.perf_counter(), 0.0
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except Exception as e:  # torchft's quorum RPC: the lighthouse gone, or too few groups in time
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            ft = self.ft
+            raise KilnError(f"replica group {ft.replica_id}: no quorum of {ft.min_replicas}+ live group(s) "
+                            f"within fault_tolerance.quorum_timeout_seconds = "
+                            f"{ft.quorum_timeout_seconds:g} s, or the lighthouse is gone ({first})") from None
         self._heal_started = None
 
     def _healed(self) -> None:
@@ -222,9 +230,11 @@ class ReplicaGroups:
         committed = self.manager.should_commit()
         if not committed:
             self.events.discarded += 1
-        elif len(self.events.live) < self.group_size:
+            return False
+        self.events.committed += 1
+        if len(self.events.live) < self.group_size:
             self.events.steps_short += 1
-        return committed
+        return True
 
     def writes_checkpoints(self) -> bool:
         """The first live group alone writes the job's checkpoints (every group could load them)."""
@@ -235,9 +245,9 @@ class ReplicaGroups:
         lines, self.events.pending = self.events.pending, []
         return lines
 
-    def summary(self, steps: int) -> str:
-        """The end-of-run line about the groups."""
-        e = self.events
+    def summary(self) -> str:
+        """The end-of-run line about the groups (steps this group committed with the others)."""
+        e, steps = self.events, self.events.committed
         times = ", ".join(f"{s:.2f}" for s in e.heals)
         heals = f"; healed {len(e.heals)} time(s) from a live group ({times} s)" if e.heals else ""
         return (f"replicas: {steps - e.steps_short} of {steps} steps committed with all {self.group_size} "
