@@ -20,29 +20,12 @@ from components.config.parallel_options import ParallelOptions
 from components.config.sections import JobConfig
 from components.runtime.errors import KilnError
 from models import ModelSpec
+from planning.devices import DEVICES, Device  # noqa: F401  (DEVICES: scripts/plan.py's table)
 from planning.rank_plan import RankPlan, plan_rank
+from planning.step_time import LayoutFacts, StepTime, predict
 from training.assembly import build_layout, load_model_family
 
 AC_MODES = ("none", "selective", "full")
-
-
-@dataclass(frozen=True)
-class Device:
-    """What a plan is checked against."""
-
-    name: str
-    memory_gib: float
-    peak_tflops: float  # dense bf16 (or what --peak-tflops says)
-    reserve_gib: float = 2.0  # kept free: CUDA context, NCCL buffers, allocator fragmentation
-
-
-# Memory (GiB as the driver reports it) and dense bf16 TFLOP/s from the vendors' data sheets.
-DEVICES = {
-    "h100": Device("H100 SXM 80GB", 79.2, 989.0), "h200": Device("H200 141GB", 139.8, 989.0),
-    "a100": Device("A100 80GB", 79.1, 312.0), "a100-40": Device("A100 40GB", 39.4, 312.0),
-    "b200": Device("B200 180GB", 178.4, 2250.0), "mi300x": Device("MI300X 192GB", 191.5, 1307.0),
-    "l40s": Device("L40S 48GB", 44.4, 362.0),
-}
 
 
 @dataclass
@@ -55,6 +38,7 @@ class Suggestion:
     peak: int
     fits: bool
     spare_gib: float
+    tokens_per_second_per_device: float = 0.0  # the step-time model's, for the changed layout
 
 
 @dataclass
@@ -71,8 +55,11 @@ class Plan:
     numerics: str
     ac_mode: str
     device: Device
-    mfu: float
+    mfu: float | None  # the compute efficiency, instead of the device's calibrated one
     flops_per_token: int
+    facts: LayoutFacts | None = None  # what the step-time model needs besides the measured bytes
+    param_dtype: str = "float32"  # what FSDP gathers in
+    reduce_dtype: str = "float32"  # what gradients are reduced in
     ranks: list[RankPlan] = field(default_factory=list)
     seconds: float = 0.0  # wall time of planning
     suggestions: list[Suggestion] = field(default_factory=list)  # single changes tried (suggest_changes)
@@ -97,11 +84,22 @@ class Plan:
         return max((r.bubble or 0.0) for r in self.ranks) if self.ranks else 0.0
 
     @property
-    def step_seconds(self) -> float:
-        """Compute per device at the assumed MFU, stretched by the pipeline bubble (communication is
-        assumed hidden behind compute)."""
+    def estimate(self) -> StepTime:
+        """The step-time model's prediction for the slowest planned rank (planning/step_time.py)."""
+        eff = self.device.efficiency
+        if self.mfu is not None:
+            eff = dataclasses.replace(eff, compute=self.mfu)
         flops = self.flops_per_token * self.tokens_per_step / self.world_size
-        return flops / (self.device.peak_tflops * 1e12 * self.mfu) / (1.0 - self.bubble)
+        facts = self.facts or LayoutFacts({"pp": 1, "dp_replicate": 1, "dp_shard": self.world_size, "cp": 1,
+                                           "tp": 1, "ep": 1}, 1)
+        per_device = self.tokens_per_step / self.world_size
+        times = [predict(flops, r.bubble or 0.0, r.communication, r.calls, per_device, facts,
+                         self.device.peak_tflops, self.device.links, eff) for r in self.ranks]
+        return max(times, key=lambda t: t.seconds)
+
+    @property
+    def step_seconds(self) -> float:
+        return self.estimate.seconds
 
     @property
     def tokens_per_second_per_device(self) -> float:
@@ -135,7 +133,7 @@ class _Pending:
 
 
 def make_plan(cfg: JobConfig, world_size: int, device: Device, *, device_type: str = "cuda",
-              ranks: list[int] | None = None, mfu: float = 0.4, ac_modes: bool = True,
+              ranks: list[int] | None = None, mfu: float | None = None, ac_modes: bool = True,
               workers: int | None = None) -> Plan:
     """Check the layout (every problem in one KilnError, as the trainer raises it), then plan each
     rank — with ac_modes, in the other activation-checkpoint modes too — `workers` processes at a
@@ -146,7 +144,7 @@ def make_plan(cfg: JobConfig, world_size: int, device: Device, *, device_type: s
 
 
 def _prepare(cfg: JobConfig, world_size: int, device: Device, *, device_type: str, ranks: list[int] | None,
-             mfu: float, ac_modes: bool) -> _Pending:
+             mfu: float | None, ac_modes: bool) -> _Pending:
     """The checked layout and the tasks that plan its ranks (a refused layout raises KilnError)."""
     start = time.perf_counter()
     spec, args = load_model_family(cfg)
@@ -158,7 +156,8 @@ def _prepare(cfg: JobConfig, world_size: int, device: Device, *, device_type: st
     plan = Plan(model=f"{cfg.model.name}/{cfg.model.flavor}", num_params=0, layout="", world_size=world_size,
                 global_batch=global_batch, seq_len=t.seq_len, microbatches=microbatches,
                 numerics=_numerics(options, dims.data_parallel_enabled), ac_mode=options.ac_mode,
-                device=device, mfu=mfu, flops_per_token=0)
+                device=device, mfu=mfu, flops_per_token=0, facts=_facts(cfg, dims, args),
+                param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype)
     ranks = ranks if ranks is not None else default_ranks(world_size, dims.pp)
     bad = [r for r in ranks if not 0 <= r < world_size]
     if bad:
@@ -168,6 +167,14 @@ def _prepare(cfg: JobConfig, world_size: int, device: Device, *, device_type: st
     tasks = [(cfg, world_size, rank, device_type, mode, mode == options.ac_mode) for rank in ranks
              for mode in modes]
     return _Pending(plan, spec, args, dims, options, ranks, modes, tasks, start)
+
+
+def _facts(cfg: JobConfig, dims: Any, args: Any) -> LayoutFacts:
+    """The layout as the step-time model sees it."""
+    degrees = {name: getattr(dims, name) for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
+    ac = cfg.activation_checkpoint
+    return LayoutFacts(degrees, max(getattr(args, "n_layers", 1) // dims.pp, 1), ac.mode,
+                       ac.selective_ac_option, cfg.compile.enable, "float8" in cfg.model.converters)
 
 
 def _finish(pending: _Pending, done: list[RankPlan]) -> Plan:
@@ -192,11 +199,16 @@ def _finish(pending: _Pending, done: list[RankPlan]) -> Plan:
 
 
 def _plan_task(task: tuple) -> RankPlan:
-    """One rank in one activation-checkpoint mode, in a process of its own."""
-    cfg, world_size, rank, device_type, mode, with_optimizer = task
+    """One rank in one activation-checkpoint mode, in a process of its own; a seventh element, when
+    present, plans the model cut to that many blocks, all of one kind (planning/search.py scales
+    such plans to the model's depth)."""
+    cfg, world_size, rank, device_type, mode, with_optimizer, *depth = task
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)  # its notes about fake groups
     warnings.filterwarnings("ignore")
     spec, args = load_model_family(cfg)
+    if depth and depth[0] is not None:
+        args = dataclasses.replace(args, n_layers=depth[0],
+                                   **({"n_dense_layers": 0} if hasattr(args, "n_dense_layers") else {}))
     options = dataclasses.replace(ParallelOptions.from_config(cfg, device_type), ac_mode=mode)
     return plan_rank(cfg, spec, args, options, world_size, rank, device_type, with_optimizer)
 
@@ -212,15 +224,17 @@ def _child(task: tuple, conn: Connection) -> None:
     os._exit(0)
 
 
-def _run_tasks(tasks: list[tuple], workers: int, *, keep_errors: bool = False) -> list[Any]:
+def _run_tasks(tasks: list[tuple], workers: int, *, keep_errors: bool = False, start: str = "spawn"
+               ) -> list[Any]:
     """The tasks side by side, `workers` at once, each in a fresh process: torch keeps process groups
     and DTensor's sharding caches per process, so a second fake world in one process finds stale
     groups of the first ("Could not resolve the process group"). A lone task runs here unless
     keep_errors, which also returns a task's exception in its place instead of raising it (a plan
-    already ran here then, and one failed candidate must not stop the others)."""
+    already ran here then, and one failed candidate must not stop the others). start="fork" skips
+    each child's imports, for a parent that has imported everything and built no process group."""
     if len(tasks) == 1 and not keep_errors:
         return [_plan_task(tasks[0])]
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context(start)
     results: list[Any] = [None] * len(tasks)
     pending = list(enumerate(tasks))
     running: list[tuple[int, object, Connection]] = []
@@ -284,21 +298,27 @@ def suggest_changes(cfg: JobConfig, world_size: int, plan: Plan, *, device_type:
         done, results = results[:len(p.tasks)], results[len(p.tasks):]
         if any(isinstance(r, BaseException) for r in done):
             continue  # it failed to plan (e.g. a model check at build time): not suggested
-        out.append(_suggestion(flags, why, max(r.peak for r in done), device))
+        p.plan.ranks = list(done)
+        out.append(_suggestion(flags, why, max(r.peak for r in done), device,
+                               p.plan.tokens_per_second_per_device))
     if plan.has_ac_peaks:  # reused: planned with the plan itself
         for mode in AC_MODES[AC_MODES.index(plan.ac_mode) + 1:]:
             peak = max(r.ac_peaks[mode] for r in plan.ranks)
+            recomputing = dataclasses.replace(plan, facts=dataclasses.replace(plan.facts, ac_mode=mode))
             out.append(_suggestion(f"--activation_checkpoint.mode {mode}",
                                    f"recompute {'every block' if mode == 'full' else 'part of each block'}"
-                                   " in backward instead of keeping its activations", peak, device))
-    plan.suggestions = sorted(out, key=lambda g: (not g.fits, g.peak))
+                                   " in backward instead of keeping its activations", peak, device,
+                                   recomputing.tokens_per_second_per_device))
+    # those that fit, fastest first; then the rest, closest to fitting first
+    plan.suggestions = sorted(out, key=lambda g: (not g.fits,
+                                                  -g.tokens_per_second_per_device if g.fits else g.peak))
     plan.suggestions_seconds = time.perf_counter() - start
     return plan.suggestions
 
 
-def _suggestion(flags: str, why: str, peak: int, device: Device) -> Suggestion:
+def _suggestion(flags: str, why: str, peak: int, device: Device, speed: float) -> Suggestion:
     spare = device.memory_gib - device.reserve_gib - peak / 2**30
-    return Suggestion(flags, why, peak, spare >= 0, spare)
+    return Suggestion(flags, why, peak, spare >= 0, spare, speed)
 
 
 def _candidates(cfg: JobConfig, world_size: int, dims: Any, plan: Plan, can_pipeline: bool

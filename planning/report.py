@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from planning.comm_floor import against_floor, fsdp_floor
 from planning.plan import AC_MODES, Plan
 from planning.rank_plan import RankPlan
+from planning.search import Layout, SearchResult
 
 
 def gib(nbytes: float) -> str:
@@ -92,10 +94,7 @@ def format_plan(plan: Plan) -> str:
              for label, cells in rows]
     lines = header + [""] + table
     moe = max(r.moe_layers for r in plan.ranks)
-    lines += ["", f"compute  {plan.flops_per_token / 1e9:,.2f} GFLOP/token; at {plan.mfu:.0%} MFU of "
-              f"{plan.device.peak_tflops:,.4g} TFLOP/s a step takes ≈ {plan.step_seconds:,.2f} s "
-              f"→ {plan.tokens_per_second_per_device:,.0f} tokens/s/device"
-              + (f" (pipeline bubble {plan.bubble:.1%} included)" if plan.bubble else "")]
+    lines += ["", *step_lines(plan), *floor_lines(plan)]
     if moe:
         lines.append(f"MoE      {moe} layer(s) planned with perfectly balanced routing; a real step's "
                      "busiest expert takes more (moe_imbalance in metrics.jsonl)")
@@ -103,6 +102,40 @@ def format_plan(plan: Plan) -> str:
     if plan.suggestions or plan.suggestions_seconds:
         lines += ["", *format_suggestions(plan)]
     return "\n".join(lines)
+
+
+def floor_lines(plan: Plan) -> list[str]:
+    """FSDP's and HSDP's bytes against the least the layout needs (planning/comm_floor.py)."""
+    if plan.facts is None:
+        return []
+    worst: dict[tuple[str, str], float] = {}
+    for r in plan.ranks:
+        floor = fsdp_floor(r.parameters, plan.facts.degrees, plan.param_dtype, plan.reduce_dtype)
+        for dim, kind, ratio in against_floor(r.communication, floor):
+            worst[(dim, kind)] = max(ratio, worst.get((dim, kind), 0.0))
+    if not worst:
+        return []
+    cells = ", ".join(f"{dim} {kind} {ratio:.2f}×" for (dim, kind), ratio in sorted(worst.items()))
+    over = [f"{dim} {kind}" for (dim, kind), ratio in worst.items() if ratio > 1.05]
+    why = (f"; above it: {', '.join(over)} (once per microbatch: fewer, larger microbatches send less)"
+           if over else "")
+    return [f"floor    sent / least this layout needs: {cells}{why}"]
+
+
+def step_lines(plan: Plan) -> list[str]:
+    """The step-time model's prediction, part by part (planning/step_time.py)."""
+    t, eff = plan.estimate, plan.device.efficiency
+    compute = plan.mfu if plan.mfu is not None else eff.compute
+    speedups = "".join([" × compile" * bool(plan.facts and plan.facts.compile),
+                        " × float8" * bool(plan.facts and plan.facts.float8)])
+    comm = ", ".join(f"{dim} {t.exposed[dim]:.3g} of {t.comm[dim]:.3g}" for dim in sorted(t.comm)) or "none"
+    return [f"compute  {plan.flops_per_token / 1e9:,.2f} GFLOP/token → {t.compute:,.3g} s at {compute:.0%}"
+            f"{speedups} of {plan.device.peak_tflops:,.4g} TFLOP/s"
+            + (f" (AC {plan.ac_mode} recomputes)" if plan.ac_mode != "none" else "")
+            + (f"; pipeline bubble {t.bubble:.1%}" if t.bubble else ""),
+            f"comm     exposed s of s on the wire: {comm}",
+            f"step     ≈ {t.seconds:,.3g} s → {t.tokens_per_second_per_device:,.0f} tokens/s/device "
+            f"({plan.device.name}; docs/planning.md, the step-time model)"]
 
 
 def format_suggestions(plan: Plan) -> list[str]:
@@ -113,10 +146,11 @@ def format_suggestions(plan: Plan) -> list[str]:
     where = f"on {plan.device.name}, keeping {plan.device.reserve_gib:g} GiB free"
     lines = []
     if fit:
-        lines.append(f"what would fit ({where}; each change planned alone, peak of its fullest rank):")
+        lines.append(f"what would fit ({where}; each change planned alone, fastest first; peak of its "
+                     "fullest rank):")
         width = max(len(g.flags) for g in fit) + 2
-        lines += [f"  {g.flags.ljust(width)}peak {gib(g.peak)}, {_amount(g.spare_gib)} to spare  ({g.why})"
-                  for g in fit]
+        lines += [f"  {g.flags.ljust(width)}≈ {g.tokens_per_second_per_device:,.0f} tokens/s/device, peak "
+                  f"{gib(g.peak)}, {_amount(g.spare_gib)} to spare  ({g.why})" for g in fit]
     else:
         lines.append(f"no single change tried fits ({where}); combine them, or plan more ranks")
     if short:
@@ -135,3 +169,48 @@ def plan_json(plan: Plan) -> str:
         fits, spare = plan.verdict(r)
         rank.update(fits=fits, spare_gib=round(spare, 3))
     return json.dumps(data, indent=1)
+
+
+def format_search(result: SearchResult, top: int = 10) -> str:
+    """The best layouts that fit, fastest first, and how the search went."""
+    r = result
+    lines = [f"Search · {r.model} · world {r.world_size} · {r.device.name} · global batch {r.global_batch} × "
+             f"seq {r.seq_len}",
+             f"{r.considered} layouts enumerated, {r.refused} refused by the trainer's checks; "
+             f"{len(r.ranked) + len(r.too_big)} sized from {r.planned} fake plans in {r.seconds:,.0f} s; "
+             f"{len(r.ranked)} fit", ""]
+    if not r.ranked:
+        lines.append("nothing fits: the smallest peaks were")
+        shown = r.too_big[:5]
+    else:
+        shown = r.ranked[:top]
+    lines.append(f"{'':>3}  {'tokens/s/dev':>12}  {'step s':>8}  {'peak GiB':>8}  {'exposed comm s':>14}  "
+                 f"{'bubble':>6}  layout")
+    for i, lay in enumerate(shown, 1):
+        t = lay.step
+        lines.append(f"{i:>3}  {lay.tokens_per_second_per_device:>12,.0f}  {t.seconds:>8.3g}  "
+                     f"{lay.peak / 2**30:>8.1f}  {sum(t.exposed.values()):>14.3g}  {t.bubble:>6.1%}  "
+                     f"{lay.describe()}")
+    if shown:
+        best = shown[0]
+        flags = " ".join(f"--{k} {v}" for k, v in best.flags.items())
+        lines += ["", f"run the first with: {flags}"]
+    return "\n".join(lines)
+
+
+def search_json(result: SearchResult, top: int = 10) -> str:
+    """The search as JSON: every layout that fits (fastest first) and the five smallest that do not."""
+    def row(lay: Layout) -> dict:
+        t = lay.step
+        return {"layout": lay.describe(), "flags": lay.flags, "degrees": lay.degrees,
+                "ac_mode": lay.ac_mode, "rows_per_microbatch": lay.rows,
+                "peak_gib": round(lay.peak / 2**30, 3), "fits": lay.fits,
+                "tokens_per_second_per_device": round(lay.tokens_per_second_per_device, 2),
+                "step_seconds": t.seconds, "compute_seconds": t.compute, "bubble": t.bubble,
+                "comm_seconds": t.comm, "exposed_seconds": t.exposed}
+    r = result
+    return json.dumps({"model": r.model, "world_size": r.world_size, "device": r.device.name,
+                       "global_batch": r.global_batch, "seq_len": r.seq_len, "considered": r.considered,
+                       "refused": r.refused, "planned": r.planned, "seconds": r.seconds,
+                       "ranked": [row(lay) for lay in r.ranked[:top]],
+                       "too_big": [row(lay) for lay in r.too_big[:5]]}, indent=1)

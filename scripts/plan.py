@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from components.config.loading import load_config
 from components.runtime.errors import KilnError
 from planning.plan import DEVICES, Device, make_plan, suggest_changes  # noqa: E402
-from planning.report import format_plan, plan_json  # noqa: E402
+from planning.report import format_plan, format_search, plan_json, search_json  # noqa: E402
+from planning.search import search  # noqa: E402
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -43,8 +44,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                     help=f"a GPU to plan for ({', '.join(DEVICES)}) or cpu; default h100")
     ap.add_argument("--device-memory", help="memory per device instead of the named one's, e.g. 80GiB")
     ap.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device instead of the named one's")
-    ap.add_argument("--mfu", type=float, default=0.4,
-                    help="model FLOPs utilisation assumed for the step time")
+    ap.add_argument("--mfu", type=float,
+                    help="the compute efficiency (share of the peak) instead of the device's calibrated one")
     ap.add_argument("--reserve-gib", type=float, default=2.0,
                     help="memory kept free for what is not a tensor (CUDA context, NCCL, fragmentation)")
     ap.add_argument("--no-ac-modes", action="store_true",
@@ -52,6 +53,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--no-suggestions", action="store_true",
                     help="when the plan does not fit, skip planning the single changes that might")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ap.add_argument("--search", action="store_true",
+                    help="search the layouts of the world (the config's layout is ignored; its global batch "
+                         "and sequence length are kept) and print the fastest that fit")
+    ap.add_argument("--top", type=int, default=10, help="--search: how many layouts to print")
     return ap.parse_known_args(argv)
 
 
@@ -91,6 +96,13 @@ def main(argv: list[str]) -> int:
     try:
         device, device_type = choose_device(args)
         cfg = load_config(rest)
+        if args.search:
+            if args.mfu:
+                device = dataclasses.replace(device, efficiency=dataclasses.replace(device.efficiency,
+                                                                                    compute=args.mfu))
+            result = search(cfg, args.world_size, device, device_type=device_type)
+            print(search_json(result, args.top) if args.json else format_search(result, args.top))
+            return 0
         plan = make_plan(cfg, args.world_size, device, device_type=device_type, ranks=args.ranks,
                          mfu=args.mfu, ac_modes=not args.no_ac_modes)
         if not plan.fits and not args.no_suggestions:

@@ -247,18 +247,19 @@ def test_a_fixed_global_batch_is_split_over_the_new_data_parallel_degree() -> No
     assert _batch_for(cfg, 5, {}) == {"training.global_batch_size": 40}  # 24 rows do not split in 5
 
 
-def test_the_changes_that_fit_are_printed_with_their_peak() -> None:
+def test_the_changes_that_fit_are_printed_with_their_speed_and_peak() -> None:
     from planning.plan import Device, Plan, Suggestion
     from planning.report import format_suggestions
 
     plan = Plan(model="m", num_params=0, layout="", world_size=8, global_batch=8, seq_len=8, microbatches=1,
                 numerics="", ac_mode="none", device=Device("H100", 79.2, 989.0), mfu=0.4, flops_per_token=0)
-    plan.suggestions = [Suggestion("--world-size 16", "16 ranks", 60 * 2**30, True, 17.2),
+    plan.suggestions = [Suggestion("--world-size 16", "16 ranks", 60 * 2**30, True, 17.2, 1234.0),
                         Suggestion("--activation_checkpoint.mode full", "recompute", 130 * 2**30, False,
                                    -52.8)]
     plan.suggestions_seconds = 3.0
     text = "\n".join(format_suggestions(plan))
-    assert "what would fit" in text and "--world-size 16  peak 60.00 GiB, 17.2 GiB to spare" in text
+    assert "what would fit" in text
+    assert "--world-size 16  ≈ 1,234 tokens/s/device, peak 60.00 GiB, 17.2 GiB to spare" in text
     assert "still short: --activation_checkpoint.mode full (peak 130.00 GiB, 52.8 GiB short)" in text
     plan.suggestions = plan.suggestions[1:]
     assert "no single change tried fits" in "\n".join(format_suggestions(plan))

@@ -1,0 +1,57 @@
+"""scripts/plan.py --search as a user runs it: the layouts of a world ranked by the step-time model,
+each sized from fake plans cut to one and two blocks per stage; the best one's numbers equal a
+full plan of it (the scaling to the model's depth and rows is exact where the step is linear)."""
+
+import json
+import subprocess
+import sys
+
+from tests.helpers.runs import REPO
+
+# Five blocks: the search plans one and two per stage and scales to 5 (2.5 per stage under PP 2).
+MODEL = ["--config", "llama_debug", "--model.flavor", "tiny", "--job.custom_import",
+         "tests.helpers.variant_models", "--model.name", "llama3_5l", "--training.seq_len", "128",
+         "--training.global_batch_size", "8"]
+
+
+def plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/plan.py", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_search_ranks_the_layouts_and_its_best_equals_a_full_plan():
+    proc = plan("--search", "--json", "--world-size", "2", "--top", "50", *MODEL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    ranked = result["ranked"]
+    assert result["planned"] > 0 and len(ranked) >= 6
+    speeds = [r["tokens_per_second_per_device"] for r in ranked]
+    assert speeds == sorted(speeds, reverse=True)
+    kinds = {(r["degrees"]["tp"], r["degrees"]["pp"]) for r in ranked}
+    assert {(1, 1), (2, 1), (1, 2)} <= kinds  # FSDP 2, TP 2 and PP 2 are all among them
+    assert {r["ac_mode"] for r in ranked} == {"none", "selective", "full"}
+    # the best layout, and the best of another kind (pipeline or not): scaled = planned in full
+    other = [r for r in ranked if (r["degrees"]["pp"] == 1) != (ranked[0]["degrees"]["pp"] == 1)][:1]
+    for row in ranked[:1] + other:
+        flags = [f"--{k}={v}" for k, v in row["flags"].items()]
+        full = plan("--json", "--no-ac-modes", "--world-size", "2", *MODEL, *flags)
+        assert full.returncode == 0, full.stderr[-3000:]
+        whole = json.loads(full.stdout)
+        peak = max(r["peak"] for r in whole["ranks"]) / 2**30
+        assert abs(peak - row["peak_gib"]) <= 0.02 * peak + 1e-3, (row["layout"], peak, row["peak_gib"])
+        assert abs(whole["step_seconds"] - row["step_seconds"]) <= 0.02 * whole["step_seconds"], row["layout"]
+
+
+def test_search_prints_the_fastest_and_how_to_run_it():
+    proc = plan("--search", "--world-size", "1", "--top", "3", *MODEL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Search · llama3_5l/tiny · world 1 · H100 SXM 80GB" in proc.stdout
+    assert "tokens/s/dev" in proc.stdout and "run the first with: --parallelism." in proc.stdout
+    assert len([line for line in proc.stdout.splitlines() if line[:3].strip().isdigit()]) == 3
+
+
+def test_search_needs_a_global_batch():
+    proc = plan("--search", "--world-size", "2", "--config", "llama_debug", "--training.global_batch_size=-1")
+    assert proc.returncode == 2
+    assert ("kiln: error: plan.py --search keeps the global batch: give --training.global_batch_size"
+            in proc.stderr)
