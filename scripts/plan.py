@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from components.config.loading import load_config
 from components.runtime.errors import KilnError
+from planning.devices import CPU_EFFICIENCY, CPU_LINKS  # noqa: E402
 from planning.plan import DEVICES, Device, make_plan, suggest_changes  # noqa: E402
 from planning.report import format_plan, format_search, plan_json, search_json  # noqa: E402
 from planning.search import search  # noqa: E402
@@ -73,7 +74,7 @@ def parse_gib(text: str) -> float:
 def choose_device(args: argparse.Namespace) -> tuple[Device, str]:
     """(the device to plan against, the device type the layout is checked for)."""
     if args.device == "cpu":
-        device, device_type = Device("CPU", 0.0, 0.0), "cpu"
+        device, device_type = Device("CPU", 0.0, 0.0, links=CPU_LINKS, efficiency=CPU_EFFICIENCY), "cpu"
     elif args.device.lower() in DEVICES:
         device, device_type = DEVICES[args.device.lower()], "cuda"
     else:

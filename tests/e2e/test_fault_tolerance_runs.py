@@ -183,7 +183,7 @@ def test_two_groups_train_as_one_job_of_both(layout, tmp_path):
 
 def test_a_killed_group_is_dropped_and_heals_when_started_again(tmp_path):
     """(b) and (c)."""
-    dump, steps = tmp_path / "ft", 150
+    dump, steps = tmp_path / "ft", 100
     with lighthouse(min_replicas=1) as address:
         args = [group_args(g, address, dump, steps=steps) for g in (0, 1)]
         survivor, victim = Group(args[0]), Group(args[1])
@@ -217,7 +217,7 @@ def test_a_killed_group_is_dropped_and_heals_when_started_again(tmp_path):
 
 def test_a_hung_group_is_dropped_and_heals_when_it_wakes(tmp_path):
     """(d): SIGSTOP holds every process of group 1; after the timeout group 0 goes on alone; SIGCONT."""
-    dump, steps = tmp_path / "ft", 150
+    dump, steps = tmp_path / "ft", 100
     with lighthouse(min_replicas=1) as address:
         groups = [Group(group_args(g, address, dump, steps=steps)) for g in (0, 1)]
         wait_for(lambda: len([r for r in rows(dump, 0) if r["replicas"] == 2]) >= 5, "steps of both groups")
