@@ -103,7 +103,8 @@ class Plan:
 
     @property
     def tokens_per_second_per_device(self) -> float:
-        return self.tokens_per_step / self.world_size / self.step_seconds
+        seconds = self.step_seconds
+        return self.tokens_per_step / self.world_size / seconds if seconds > 0 else 0.0
 
     def verdict(self, rank: RankPlan) -> tuple[bool, float]:
         """(fits, GiB to spare — negative when short) of a rank's peak on the device."""
@@ -298,9 +299,9 @@ def suggest_changes(cfg: JobConfig, world_size: int, plan: Plan, *, device_type:
         done, results = results[:len(p.tasks)], results[len(p.tasks):]
         if any(isinstance(r, BaseException) for r in done):
             continue  # it failed to plan (e.g. a model check at build time): not suggested
-        p.plan.ranks = list(done)
+        finished = _finish(p, list(done))
         out.append(_suggestion(flags, why, max(r.peak for r in done), device,
-                               p.plan.tokens_per_second_per_device))
+                               finished.tokens_per_second_per_device))
     if plan.has_ac_peaks:  # reused: planned with the plan itself
         for mode in AC_MODES[AC_MODES.index(plan.ac_mode) + 1:]:
             peak = max(r.ac_peaks[mode] for r in plan.ranks)
