@@ -16,7 +16,6 @@ Every group is a real `scripts/launch.py --standalone` job (torchrun), the light
 """
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -28,20 +27,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 HEARTBEAT_MS = 1000
 
+from components.fault_tolerance.lighthouse import lighthouse as serve_lighthouse  # noqa: E402
 
-@contextlib.contextmanager
+
 def lighthouse(min_replicas: int):
-    os.environ.setdefault("RUST_LOG", "warn")
-    from torchft.coordination import LighthouseServer
-
-    server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=500,
-                              quorum_tick_ms=50, heartbeat_timeout_ms=HEARTBEAT_MS)
-    try:
-        yield server.address()
-    finally:
-        server.shutdown()
+    return serve_lighthouse(min_replicas, heartbeat_timeout_ms=HEARTBEAT_MS, join_timeout_ms=500)
 
 
 def start(args: list[str], nproc: int) -> subprocess.Popen:

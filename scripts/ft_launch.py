@@ -19,6 +19,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from components.fault_tolerance.lighthouse import lighthouse  # noqa: E402
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -36,16 +39,6 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="how long a quorum waits for live groups that have not asked for it yet")
     p.add_argument("--restarts", type=int, default=3, help="times a failed group is started again")
     return p.parse_args(ours), train_args
-
-
-def start_lighthouse(args: argparse.Namespace) -> object:
-    """torchft's lighthouse, served from this process (the package's own server, nothing downloaded)."""
-    os.environ.setdefault("RUST_LOG", "warn")  # else a line for every quorum it waits for
-    from torchft.coordination import LighthouseServer
-
-    return LighthouseServer(bind=f"[::]:{args.port}", min_replicas=args.min_replicas,
-                            join_timeout_ms=args.join_timeout_ms, quorum_tick_ms=50,
-                            heartbeat_timeout_ms=args.heartbeat_timeout_ms)
 
 
 def group_command(args: argparse.Namespace, train_args: list[str], group: int, lighthouse: str) -> list[str]:
@@ -75,8 +68,13 @@ def main(argv: list[str]) -> int:
     if not 1 <= args.min_replicas <= args.groups:
         print(f"ft_launch: --min-replicas must be between 1 and --groups ({args.groups})", file=sys.stderr)
         return 2
-    server = start_lighthouse(args)
-    address = server.address()
+    with lighthouse(args.min_replicas, port=args.port, heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+                    join_timeout_ms=args.join_timeout_ms) as address:
+        return run_groups(args, train_args, address)
+
+
+def run_groups(args: argparse.Namespace, train_args: list[str], address: str) -> int:
+    """Start the groups, start again those that fail (up to --restarts), wait for all."""
     print(f"ft_launch: lighthouse at {address}; {args.groups} group(s) of {args.nproc_per_group} process(es)",
           flush=True)
     commands = [group_command(args, train_args, g, address) for g in range(args.groups)]
@@ -102,8 +100,6 @@ def main(argv: list[str]) -> int:
         for proc in groups.values():
             os.killpg(proc.pid, signal.SIGTERM)
         return 130
-    finally:
-        server.shutdown()
     print(f"ft_launch: groups ended with {', '.join(f'{g}: {c}' for g, c in sorted(codes.items()))}")
     return max(codes.values(), default=0)
 

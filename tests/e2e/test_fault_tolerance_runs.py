@@ -11,7 +11,6 @@ two processes each (FSDP 2 inside), each group its own job of train.py.
 and the bad inputs refused in one line before any training.
 """
 
-import contextlib
 import os
 import shutil
 import signal
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from components.fault_tolerance.lighthouse import lighthouse as serve_lighthouse
 from tests.helpers.runs import (
     ONE_THREAD_UNBUFFERED,
     REPO,
@@ -40,18 +40,9 @@ HEARTBEAT_MS = 1000
 FT_TIMEOUT = "5"  # seconds a cross-group collective waits for a silent group
 
 
-@contextlib.contextmanager
 def lighthouse(min_replicas: int):
     """torchft's lighthouse in this process, as scripts/ft_launch.py serves it."""
-    os.environ.setdefault("RUST_LOG", "warn")  # read at torchft's import: else a line per quorum
-    from torchft.coordination import LighthouseServer
-
-    server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=500,
-                              quorum_tick_ms=50, heartbeat_timeout_ms=HEARTBEAT_MS)
-    try:
-        yield server.address()
-    finally:
-        server.shutdown()
+    return serve_lighthouse(min_replicas, heartbeat_timeout_ms=HEARTBEAT_MS, join_timeout_ms=500)
 
 
 def group_args(group: int, address: str, dump: Path, *extra: str, steps: int = 6, min_replicas: int = 1,
