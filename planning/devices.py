@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 
 from planning.step_time import Efficiency, Links
 
-# Fitted to TorchTitan's Llama 3.1 8B rows on 8 H100s (FSDP, + compile, + float8; published 2024-12,
-# 500 W HBM2e H100s; benchmarks/step_time_published.py, 2026-12-06).
+# The constants benchmarks/step_time_published.py fits (docs/planning.md: which published rows, and
+# how the other rows compare).
 GPU_EFFICIENCY = Efficiency(compute=0.338, compile=1.157, float8=1.280, comm=0.8, overlap=1.0)
 _NVLINK4 = Links(per_node=8, intra_gb_s=450.0, inter_gb_s=50.0, intra_us=5.0, inter_us=15.0)
-# This project's 2-core machine (benchmarks/step_time_check.py, 2026-12-06): gloo over loopback between
-# two processes, and the compute efficiency of its one-process debug run; FSDP's traffic shares the
-# cores with the matmuls, so nothing hides.
+# What benchmarks/step_time_check.py measures of a CPU (gloo over loopback, the compute efficiency of a
+# one-process run; docs/planning.md records the machine and the date); on a CPU FSDP's traffic shares
+# the cores with the matmuls, so none of it hides.
 CPU_LINKS = Links(per_node=1024, intra_gb_s=1.58, inter_gb_s=1.58, intra_us=1209.0, inter_us=1209.0)
 CPU_EFFICIENCY = Efficiency(compute=0.69, comm=1.0, overlap=0.0)
 
