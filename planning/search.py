@@ -180,6 +180,10 @@ class _Piece:
     global_batch: int
     blocks: float  # blocks per pipeline stage in the real model
     ranks: list[int]
+    stages: int  # pipeline stages per rank
+    spec: Any
+    args: Any
+    device_type: str
     tasks: list[tuple] = field(default_factory=list)
     keys: list[tuple[int, str, int, int]] = field(default_factory=list)  # rank, AC mode, blocks, rows
     row_counts: list[int] = field(default_factory=lambda: [1])  # rows per microbatch planned
@@ -192,24 +196,17 @@ def _piece(cfg: JobConfig, flags: dict[str, Any], world: int, spec: Any, args: A
            ) -> _Piece | None:
     """The layout checked as the trainer checks it at one row per microbatch (None when refused), and
     its tasks: every differing rank × AC mode × one and two blocks per stage."""
-    full = flags | {"training.local_batch_size": 1, "activation_checkpoint.mode": "none"}
-    changed = configured(cfg, full)
-    try:
-        options = ParallelOptions.from_config(changed, device_type)
-        dims, batch = build_layout(changed, spec, args, world, options, device_type)
-    except KilnError:
+    changed = configured(cfg, flags | {"training.local_batch_size": 1, "activation_checkpoint.mode": "none"})
+    checked = _checked(changed, spec, args, world, device_type)
+    if checked is None:
         return None
+    dims, batch = checked
     stages = 2 if flags.get("parallelism.pipeline_parallel_schedule") == SCHEDULES[2] else 1
     piece = _Piece(flags, changed, dims, batch, args.n_layers / (dims.pp * stages),
-                   default_ranks(world, dims.pp))
+                   default_ranks(world, dims.pp), stages, spec, args, device_type)
     # a second row per microbatch, where the trainer accepts it, gives the activations' growth
     doubled = configured(changed, {_rows_key(dims.pp): 2})
-    try:
-        build_layout(doubled, spec, args, world, ParallelOptions.from_config(doubled, device_type),
-                     device_type)
-        piece.row_counts = [1, 2]
-    except KilnError:
-        piece.row_counts = [1]
+    piece.row_counts = [1, 2] if _checked(doubled, spec, args, world, device_type) else [1]
     option = changed.activation_checkpoint.selective_ac_option
     piece.depths = {mode: _depths(mode, option) for mode in AC_MODES}
     piece.keys = [(rank, mode, k, r) for r in piece.row_counts for mode in AC_MODES
@@ -217,6 +214,15 @@ def _piece(cfg: JobConfig, flags: dict[str, Any], world: int, spec: Any, args: A
     piece.tasks = [(changed if r == 1 else doubled, world, rank, device_type, mode, True,
                     dims.pp * stages * k) for rank, mode, k, r in piece.keys]
     return piece
+
+
+def _checked(cfg: JobConfig, spec: Any, args: Any, world: int, device_type: str) -> tuple[Any, int] | None:
+    """(degrees, global batch) of a layout the trainer accepts, None for one it refuses."""
+    try:
+        options = ParallelOptions.from_config(cfg, device_type)
+        return build_layout(cfg, spec, args, world, options, device_type)
+    except KilnError:
+        return None
 
 
 def _depths(mode: str, option: str) -> tuple[int, int]:
@@ -234,8 +240,7 @@ def _layouts_of(piece: _Piece, device: Device, flops_per_token: float, seq_len: 
                 ) -> list[Layout]:
     """Every AC mode × HSDP split × microbatch size of a planned piece, with its peak and step."""
     d = piece.dims
-    dp = d.dp
-    stages = 2 if piece.flags.get("parallelism.pipeline_parallel_schedule") == SCHEDULES[2] else 1
+    dp, stages = d.dp, piece.stages
     per_rank = piece.global_batch // dp
     out = []
     for replicas in sorted(piece.replicas):
@@ -245,23 +250,11 @@ def _layouts_of(piece: _Piece, device: Device, flops_per_token: float, seq_len: 
             for rows in _rows_options(per_rank):
                 layout = _layout(piece, device, flops_per_token, seq_len, replicas, mode, rows, per_rank,
                                  stages, speedups)
-                if _accepted(piece, layout.flags):
+                # as finally sized, e.g. a pipeline needs as many microbatches as stages
+                if _checked(configured(piece.cfg, layout.flags), piece.spec, piece.args, d.world_size,
+                            piece.device_type):
                     out.append(layout)
     return out
-
-
-def _accepted(piece: _Piece, flags: dict[str, Any]) -> bool:
-    """Whether the trainer accepts the layout as finally sized (e.g. a pipeline needs at least as many
-    microbatches as stages)."""
-    changed = configured(piece.cfg, flags)
-    spec, args = load_model_family(changed)
-    device_type = piece.tasks[0][3]
-    try:
-        build_layout(changed, spec, args, piece.dims.world_size,
-                     ParallelOptions.from_config(changed, device_type), device_type)
-    except KilnError:
-        return False
-    return True
 
 
 def _layout(piece: _Piece, device: Device, flops_per_token: float, seq_len: int, replicas: int, mode: str,
