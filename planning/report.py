@@ -171,46 +171,47 @@ def plan_json(plan: Plan) -> str:
     return json.dumps(data, indent=1)
 
 
-def format_search(result: SearchResult, top: int = 10) -> str:
+def format_search(result: SearchResult) -> str:
     """The best layouts that fit, fastest first, and how the search went."""
     r = result
     lines = [f"Search · {r.model} · world {r.world_size} · {r.device.name} · global batch {r.global_batch} × "
              f"seq {r.seq_len}",
              f"{r.considered} layouts enumerated, {r.refused} refused by the trainer's checks; "
-             f"{len(r.ranked) + len(r.too_big)} sized from {r.planned} fake plans in {r.seconds:,.0f} s; "
-             f"{len(r.ranked)} fit", ""]
+             f"{r.sized} sized and ranked by predicted speed, the fastest {r.checked} checked against "
+             f"memory; {r.planned} fake plans in {r.seconds:,.0f} s",
+             *(f"plan failed: {failure}" for failure in r.failed), ""]
     if not r.ranked:
-        lines.append("nothing fits: the smallest peaks were")
+        lines.append("nothing fits: the smallest peaks were (≥: the state alone, not planned further)")
         shown = r.too_big[:5]
     else:
-        shown = r.ranked[:top]
-    lines.append(f"{'':>3}  {'tokens/s/dev':>12}  {'step s':>8}  {'peak GiB':>8}  {'exposed comm s':>14}  "
+        shown = r.ranked[:r.top]
+    lines.append(f"{'':>3}  {'tokens/s/dev':>12}  {'step s':>8}  {'peak GiB':>9}  {'exposed comm s':>14}  "
                  f"{'bubble':>6}  layout")
     for i, lay in enumerate(shown, 1):
         t = lay.step
-        lines.append(f"{i:>3}  {lay.tokens_per_second_per_device:>12,.0f}  {t.seconds:>8.3g}  "
-                     f"{lay.peak / 2**30:>8.1f}  {sum(t.exposed.values()):>14.3g}  {t.bubble:>6.1%}  "
-                     f"{lay.describe()}")
-    if shown:
-        best = shown[0]
-        flags = " ".join(f"--{k} {v}" for k, v in best.flags.items())
+        peak = ("≥" if lay.peak_is_floor else "") + f"{lay.peak / 2**30:.1f}"
+        lines.append(f"{i:>3}  {lay.tokens_per_second_per_device:>12,.0f}  {t.seconds:>8.3g}  {peak:>9}  "
+                     f"{sum(t.exposed.values()):>14.3g}  {t.bubble:>6.1%}  {lay.describe()}")
+    if r.ranked:
+        flags = " ".join(f"--{k} {v}" for k, v in r.ranked[0].flags.items())
         lines += ["", f"run the first with: {flags}"]
     return "\n".join(lines)
 
 
-def search_json(result: SearchResult, top: int = 10) -> str:
-    """The search as JSON: every layout that fits (fastest first) and the five smallest that do not."""
+def search_json(result: SearchResult) -> str:
+    """The search as JSON: the fastest layouts that fit and the five smallest found not to."""
     def row(lay: Layout) -> dict:
         t = lay.step
         return {"layout": lay.describe(), "flags": lay.flags, "degrees": lay.degrees,
                 "ac_mode": lay.ac_mode, "rows_per_microbatch": lay.rows,
-                "peak_gib": round(lay.peak / 2**30, 3), "fits": lay.fits,
-                "tokens_per_second_per_device": round(lay.tokens_per_second_per_device, 2),
+                "peak_gib": round(lay.peak / 2**30, 3), "peak_is_state_floor": lay.peak_is_floor,
+                "fits": lay.fits, "tokens_per_second_per_device": round(lay.tokens_per_second_per_device, 2),
                 "step_seconds": t.seconds, "compute_seconds": t.compute, "bubble": t.bubble,
                 "comm_seconds": t.comm, "exposed_seconds": t.exposed}
     r = result
     return json.dumps({"model": r.model, "world_size": r.world_size, "device": r.device.name,
                        "global_batch": r.global_batch, "seq_len": r.seq_len, "considered": r.considered,
-                       "refused": r.refused, "planned": r.planned, "seconds": r.seconds,
-                       "ranked": [row(lay) for lay in r.ranked[:top]],
+                       "refused": r.refused, "sized": r.sized, "checked": r.checked, "planned": r.planned,
+                       "failed": r.failed, "seconds": r.seconds,
+                       "ranked": [row(lay) for lay in r.ranked[:r.top]],
                        "too_big": [row(lay) for lay in r.too_big[:5]]}, indent=1)

@@ -1,23 +1,17 @@
-"""Search the layouts of a world: enumerate those that make sense, keep those the trainer accepts,
-plan each distinct one on fake tensors — cut to one and two blocks per pipeline stage and scaled to
-the model's depth — and rank those that fit by the step-time model's tokens/s per device.
+"""Search the layouts of a world and rank those that fit by the step-time model's tokens/s per device.
 
-A layout here is the degrees (TP within a node, PP and its schedule, CP for long sequences, EP for
-MoE, FSDP or HSDP over the rest), the activation-checkpoint mode and the rows per microbatch.
-What is planned per layout: its ranks that differ (the first of the first and of the last pipeline
-stage) in every activation-checkpoint mode with its optimizer step, at one and two blocks per stage
-and one and two rows per microbatch. State, collectives and calls are linear in the blocks per
-stage; the peak is linear in the blocks and in the rows (a block's and a row's share are the
-differences); FSDP's gathers and reduce-scatters repeat per microbatch; a step of one microbatch
-holds no accumulated gradients through its backward. HSDP's replicas change only how the state is
-sharded and add the replicas' all-reduce, so every split of the data-parallel ranks is derived
-from the plan of FSDP over all of them.
+Every layout planning/layout_space.py enumerates is checked as the trainer checks it. Each distinct
+one (its degrees: HSDP splits, AC modes and microbatch sizes are derived from it) is planned on fake
+tensors without activation checkpointing, cut to one and two blocks per pipeline stage and scaled to
+the model's depth (planning/depth_scaling.py). Those plans give every sized layout's collectives and
+so its predicted step, which does not depend on its memory: all are ranked before any peak is known.
+Then, fastest first, each one's peak is planned (its AC mode at one and two rows per microbatch)
+until `top` of them fit. The order is the one that planning every layout in full would give, for
+the leaders' plans alone; a layout whose state alone exceeds the device is set aside unplanned.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -26,14 +20,13 @@ from typing import Any
 from components.config.parallel_options import ParallelOptions
 from components.config.sections import JobConfig
 from components.runtime.errors import KilnError
+from planning.depth_scaling import Key, rank_peak, rank_state, state_floor
 from planning.devices import Device
+from planning.layout_space import SCHEDULES, configured, enumerate_layouts, pipeline_bubble, rows_options
 from planning.plan import AC_MODES, _run_tasks, count_parameters, default_ranks
 from planning.rank_plan import RankPlan
 from planning.step_time import LayoutFacts, StepTime, predict
 from training.assembly import build_layout, load_model_family
-
-SCHEDULES = {1: "1F1B", 2: "Interleaved1F1B"}  # stages per rank → the schedule searched
-LONG_SEQUENCE = 16384  # context parallel is searched from this sequence length on
 
 
 @dataclass
@@ -48,6 +41,7 @@ class Layout:
     fits: bool = False
     spare_gib: float = 0.0
     step: StepTime | None = None
+    peak_is_floor: bool = False  # not planned: the state alone (a lower bound) exceeds the device
 
     @property
     def tokens_per_second_per_device(self) -> float:
@@ -65,117 +59,33 @@ class Layout:
 
 @dataclass
 class SearchResult:
-    """The ranked layouts, those that do not fit, and what the search took."""
+    """The layouts that fit (fastest first, `top` of them), those found too big, and what it took."""
 
     model: str
     world_size: int
     device: Device
     global_batch: int
     seq_len: int
+    top: int
     ranked: list[Layout] = field(default_factory=list)  # fit, fastest first
-    too_big: list[Layout] = field(default_factory=list)
+    too_big: list[Layout] = field(default_factory=list)  # smallest peak first
     considered: int = 0  # layouts enumerated
     refused: int = 0  # of them the trainer's checks refuse
+    sized: int = 0  # layouts sized and ranked by predicted speed
+    checked: int = 0  # of them checked against the device's memory
     planned: int = 0  # fake plans run
+    failed: list[str] = field(default_factory=list)  # layouts whose plans raised, with the error
     seconds: float = 0.0
-
-
-def _powers(limit: int) -> list[int]:
-    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
-
-
-def enumerate_layouts(cfg: JobConfig, world: int, per_node: int, args: Any, can_pipeline: bool
-                      ) -> list[dict[str, Any]]:
-    """Config changes for every layout worth considering: TP within a node, PP over the layers, CP
-    for long sequences, EP over the experts, FSDP over the rest (HSDP: replicas of one node's
-    shards), and one row per microbatch (rows are sized later); AC modes are added by the search."""
-    n_layers, seq = args.n_layers, cfg.training.seq_len
-    experts = getattr(getattr(args, "moe", None), "num_experts", 0)
-    out = []
-    for tp in _powers(min(per_node, world)):
-        for pp in (_powers(min(world // tp, n_layers)) if can_pipeline else [1]):
-            for cp in (_powers(min(world // (tp * pp), 16)) if seq >= LONG_SEQUENCE else [1]):
-                if world % (tp * pp * cp):
-                    continue
-                dp = world // (tp * pp * cp)
-                eps = [e for e in _powers(min(experts, dp * cp)) if experts % e == 0] if experts else [1]
-                for ep in eps:
-                    for replicas in sorted({1, max(1, (dp * cp * tp) // per_node)}):
-                        if dp % replicas:
-                            continue
-                        for stages in ([1, 2] if pp > 1 else [1]):
-                            out.append(_flags(tp, pp, cp, ep, replicas, dp // replicas, stages))
-    return out
-
-
-def _flags(tp: int, pp: int, cp: int, ep: int, replicas: int, shard: int, stages: int) -> dict[str, Any]:
-    p = "parallelism."
-    flags = {p + "tensor_parallel_degree": tp, p + "pipeline_parallel_degree": pp,
-             p + "context_parallel_degree": cp, p + "expert_parallel_degree": ep,
-             p + "data_parallel_replicate_degree": replicas, p + "data_parallel_shard_degree": shard}
-    if pp > 1:
-        flags[p + "pipeline_parallel_schedule"] = SCHEDULES[stages]
-        flags[p + "pipeline_parallel_microbatch_size"] = 1
-    return flags
-
-
-def configured(cfg: JobConfig, flags: dict[str, Any]) -> JobConfig:
-    changed = copy.deepcopy(cfg)
-    for key, value in flags.items():
-        section, name = key.split(".")
-        setattr(getattr(changed, section), name, value)
-    return changed
-
-
-def _rows_options(per_rank: int) -> list[int]:
-    """Rows per microbatch to consider: the powers of two that divide a rank's rows (up to 8)."""
-    return [r for r in _powers(min(per_rank, 8)) if per_rank % r == 0]
-
-
-def _linear(one: float, two: float, blocks: float, depths: tuple[int, int] = (1, 2)) -> float:
-    """A value measured at `depths` blocks per stage (one, two), at `blocks` per stage."""
-    return one + (two - one) * (blocks - depths[0]) / (depths[1] - depths[0])
-
-
-def _scaled(one: RankPlan, two: RankPlan, blocks: float) -> RankPlan:
-    """A rank planned at one and two blocks per stage, at `blocks` per stage: its state, buffers,
-    collectives and calls (the peak is the caller's)."""
-    def dim_map(a: dict, b: dict) -> dict:
-        return {dim: {kind: int(_linear(a.get(dim, {}).get(kind, 0), b.get(dim, {}).get(kind, 0), blocks))
-                      for kind in set(a.get(dim, {})) | set(b.get(dim, {}))} for dim in set(a) | set(b)}
-
-    def sizes(a: dict, b: dict) -> dict:
-        return {k: int(_linear(a.get(k, 0), b.get(k, 0), blocks)) for k in set(a) | set(b)}
-
-    return dataclasses.replace(one, parameters=sizes(one.parameters, two.parameters),
-                               gradients=sizes(one.gradients, two.gradients),
-                               optimizer=sizes(one.optimizer, two.optimizer),
-                               buffers=int(_linear(one.buffers, two.buffers, blocks)), peak_breakdown={},
-                               communication=dim_map(one.communication, two.communication),
-                               calls=dim_map(one.calls, two.calls))
-
-
-def _held(plan: RankPlan) -> int:
-    """The state a rank holds through the step: parameters, gradients, optimizer state, buffers."""
-    state = (plan.parameters, plan.gradients, plan.optimizer)
-    return sum(sum(part.values()) for part in state) + plan.buffers
-
-
-def pipeline_bubble(pp: int, stages_per_rank: int, microbatches: int) -> float:
-    """The idle share of a pipelined step: (pp − 1) warm-up and cool-down slots against v × n slots of
-    work ((pp − 1) / (v·n + pp − 1), 1F1B and its interleaved form alike)."""
-    if pp == 1:
-        return 0.0
-    return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
 
 
 @dataclass
 class _Piece:
-    """A layout's degrees planned once (FSDP over every data-parallel rank), for every AC mode,
-    HSDP split and microbatch size derived from it."""
+    """A layout's degrees, planned once (FSDP over every data-parallel rank) for every AC mode, HSDP
+    split and microbatch size derived from it."""
 
     flags: dict[str, Any]
-    cfg: JobConfig
+    cfg: JobConfig  # at one row per microbatch
+    doubled: JobConfig | None  # at two rows per microbatch, where the trainer accepts it
     dims: Any
     global_batch: int
     blocks: float  # blocks per pipeline stage in the real model
@@ -184,36 +94,59 @@ class _Piece:
     spec: Any
     args: Any
     device_type: str
-    tasks: list[tuple] = field(default_factory=list)
-    keys: list[tuple[int, str, int, int]] = field(default_factory=list)  # rank, AC mode, blocks, rows
-    row_counts: list[int] = field(default_factory=lambda: [1])  # rows per microbatch planned
-    depths: dict[str, tuple[int, int]] = field(default_factory=dict)  # AC mode → blocks per stage planned
+    depths: dict[str, tuple[int, int]]  # AC mode → blocks per stage planned
     replicas: set[int] = field(default_factory=lambda: {1})  # HSDP replica counts derived from it
-    results: dict[tuple[int, str, int, int], RankPlan] = field(default_factory=dict)
+    results: dict[Key, RankPlan] = field(default_factory=dict)
+    errors: dict[str, BaseException] = field(default_factory=dict)  # AC mode → why its plan failed
+
+    @property
+    def row_counts(self) -> list[int]:
+        return [1, 2] if self.doubled is not None else [1]
+
+    def missing(self, mode: str, rows: int) -> list[Key]:
+        """The plans a layout of this piece in `mode` at `rows` per microbatch needs and lacks."""
+        counts = self.row_counts if rows > 1 else [1]
+        return [(rank, mode, k, r) for r in counts for k in self.depths[mode] for rank in self.ranks
+                if (rank, mode, k, r) not in self.results]
+
+    def task(self, key: Key) -> tuple:
+        rank, mode, k, r = key
+        cfg = self.cfg if r == 1 else self.doubled
+        return cfg, self.dims.world_size, rank, self.device_type, mode, True, self.dims.pp * self.stages * k
+
+
+@dataclass
+class _Sized:
+    """A layout sized and timed from its piece's plans; its peak waits for its AC mode's plans."""
+
+    layout: Layout
+    piece: _Piece
+    replicas: int
+    states: dict[int, RankPlan]  # rank → its state and collectives at the model's depth
+    one_microbatch: bool  # several rows per rank in one microbatch, without a pipeline
+
+    def floor(self) -> int:
+        return max(state_floor(s, self.replicas) for s in self.states.values())
+
+    def needs(self) -> list[Key]:
+        return self.piece.missing(self.layout.ac_mode, self.layout.rows)
 
 
 def _piece(cfg: JobConfig, flags: dict[str, Any], world: int, spec: Any, args: Any, device_type: str
            ) -> _Piece | None:
-    """The layout checked as the trainer checks it at one row per microbatch (None when refused), and
-    its tasks: every differing rank × AC mode × one and two blocks per stage."""
+    """The layout checked as the trainer checks it at one row per microbatch (None when refused)."""
     changed = configured(cfg, flags | {"training.local_batch_size": 1, "activation_checkpoint.mode": "none"})
     checked = _checked(changed, spec, args, world, device_type)
     if checked is None:
         return None
     dims, batch = checked
     stages = 2 if flags.get("parallelism.pipeline_parallel_schedule") == SCHEDULES[2] else 1
-    piece = _Piece(flags, changed, dims, batch, args.n_layers / (dims.pp * stages),
-                   default_ranks(world, dims.pp), stages, spec, args, device_type)
     # a second row per microbatch, where the trainer accepts it, gives the activations' growth
     doubled = configured(changed, {_rows_key(dims.pp): 2})
-    piece.row_counts = [1, 2] if _checked(doubled, spec, args, world, device_type) else [1]
     option = changed.activation_checkpoint.selective_ac_option
-    piece.depths = {mode: _depths(mode, option) for mode in AC_MODES}
-    piece.keys = [(rank, mode, k, r) for r in piece.row_counts for mode in AC_MODES
-                  for k in piece.depths[mode] for rank in piece.ranks]
-    piece.tasks = [(changed if r == 1 else doubled, world, rank, device_type, mode, True,
-                    dims.pp * stages * k) for rank, mode, k, r in piece.keys]
-    return piece
+    return _Piece(flags, changed, doubled if _checked(doubled, spec, args, world, device_type) else None,
+                  dims, batch, args.n_layers / (dims.pp * stages), default_ranks(world, dims.pp), stages,
+                  spec, args, device_type, {mode: _depths(mode, option) for mode in AC_MODES})
 
 
 def _checked(cfg: JobConfig, spec: Any, args: Any, world: int, device_type: str) -> tuple[Any, int] | None:
@@ -236,104 +169,110 @@ def _rows_key(pp: int) -> str:
     return "parallelism.pipeline_parallel_microbatch_size" if pp > 1 else "training.local_batch_size"
 
 
-def _layouts_of(piece: _Piece, device: Device, flops_per_token: float, seq_len: int, speedups: dict[str, bool]
-                ) -> list[Layout]:
-    """Every AC mode × HSDP split × microbatch size of a planned piece, with its peak and step."""
+def _plan(jobs: list[tuple[_Piece, Key]], workers: int) -> None:
+    """Plan the keys side by side; a plan that raises marks its piece's AC mode failed."""
+    done = _run_tasks([piece.task(key) for piece, key in jobs], workers, keep_errors=True, start="fork")
+    for (piece, key), result in zip(jobs, done, strict=True):
+        if isinstance(result, BaseException):
+            piece.errors.setdefault(key[1], result)
+        else:
+            piece.results[key] = result
+
+
+def _sized_layouts(piece: _Piece, device: Device, flops_per_token: float, seq_len: int,
+                   speedups: dict[str, bool]) -> list[_Sized]:
+    """Every HSDP split × AC mode × microbatch size of a piece the trainer accepts, timed."""
     d = piece.dims
-    dp, stages = d.dp, piece.stages
-    per_rank = piece.global_batch // dp
+    per_rank = piece.global_batch // d.dp
     out = []
-    for replicas in sorted(piece.replicas):
-        if dp % replicas:
-            continue
+    for replicas in sorted(r for r in piece.replicas if d.dp % r == 0):
         for mode in AC_MODES:
-            for rows in _rows_options(per_rank):
-                layout = _layout(piece, device, flops_per_token, seq_len, replicas, mode, rows, per_rank,
-                                 stages, speedups)
+            for rows in rows_options(per_rank):
+                sized = _size(piece, device, flops_per_token, seq_len, replicas, mode, rows, speedups)
                 # as finally sized, e.g. a pipeline needs as many microbatches as stages
-                if _checked(configured(piece.cfg, layout.flags), piece.spec, piece.args, d.world_size,
+                if _checked(configured(piece.cfg, sized.layout.flags), piece.spec, piece.args, d.world_size,
                             piece.device_type):
-                    out.append(layout)
+                    out.append(sized)
     return out
 
 
-def _layout(piece: _Piece, device: Device, flops_per_token: float, seq_len: int, replicas: int, mode: str,
-            rows: int, per_rank: int, stages: int, speedups: dict[str, bool]) -> Layout:
+def _size(piece: _Piece, device: Device, flops_per_token: float, seq_len: int, replicas: int, mode: str,
+          rows: int, speedups: dict[str, bool]) -> _Sized:
+    """One layout of the piece, its step predicted from the collectives of its ranks' state."""
     d = piece.dims
+    per_rank = piece.global_batch // d.dp
+    microbatches = per_rank // rows
     degrees = {"pp": d.pp, "dp_replicate": replicas, "dp_shard": d.dp // replicas, "cp": d.cp, "tp": d.tp,
                "ep": d.ep}
     flags = piece.flags | {"parallelism.data_parallel_replicate_degree": replicas,
                            "parallelism.data_parallel_shard_degree": d.dp // replicas,
-                           "activation_checkpoint.mode": mode}
-    microbatches = per_rank // rows
-    if d.pp > 1:
-        flags["parallelism.pipeline_parallel_microbatch_size"] = rows
-    else:
-        flags["training.local_batch_size"] = rows
+                           "activation_checkpoint.mode": mode, _rows_key(d.pp): rows}
     layout = Layout(flags, degrees, mode, rows)
-    world = d.world_size
-    facts = LayoutFacts(degrees, max(int(round(piece.blocks * stages)), 1), mode,
+    facts = LayoutFacts(degrees, max(int(round(piece.blocks * piece.stages)), 1), mode,
                         piece.cfg.activation_checkpoint.selective_ac_option, **speedups)
     tokens = piece.global_batch * seq_len
-    peaks, steps = [], []
+    bubble = pipeline_bubble(d.pp, piece.stages, microbatches)
+    states, steps = {}, []
     for rank in piece.ranks:
-        plan = _rank_at(piece, rank, mode, rows, replicas, microbatches, per_rank)
-        peaks.append(plan.peak)
-        bubble = pipeline_bubble(d.pp, stages, microbatches)
-        steps.append(predict(flops_per_token * tokens / world, bubble, plan.communication, plan.calls,
-                             tokens / world, facts, device.peak_tflops, device.links, device.efficiency))
-    layout.peak = max(peaks)
-    layout.spare_gib = device.memory_gib - device.reserve_gib - layout.peak / 2**30
-    layout.fits = layout.spare_gib >= 0
+        state = rank_state(piece.results.__getitem__, rank, piece.blocks, d.pp, replicas, microbatches,
+                           per_rank)
+        states[rank] = state
+        steps.append(predict(flops_per_token * tokens / d.world_size, bubble, state.communication,
+                             state.calls, tokens / d.world_size, facts, device.peak_tflops, device.links,
+                             device.efficiency))
     layout.step = max(steps, key=lambda t: t.seconds)
-    return layout
+    return _Sized(layout, piece, replicas, states, d.pp == 1 and microbatches == 1 < per_rank)
 
 
-def _rank_at(piece: _Piece, rank: int, mode: str, rows: int, replicas: int, microbatches: int,
-             per_rank: int) -> RankPlan:
-    """One rank of the piece at full depth, in AC `mode`, `rows` per microbatch, `replicas` HSDP
-    replicas: scaled from its plans at one and two blocks per stage."""
-    res = piece.results
-
-    def peak_in_mode(k: int, r: int) -> int:  # every mode is planned with its optimizer step
-        return res[(rank, mode, k, r)].peak
-
-    plan = _scaled(res[(rank, "none", 1, 1)], res[(rank, "none", 2, 1)], piece.blocks)
-    k1, k2 = piece.depths[mode]
-    at_one_row = _linear(peak_in_mode(k1, 1), peak_in_mode(k2, 1), piece.blocks, (k1, k2))
-    if 2 in piece.row_counts:  # the peak's growth per row, itself linear in the blocks
-        per_row = _linear(peak_in_mode(k1, 2), peak_in_mode(k2, 2), piece.blocks, (k1, k2)) - at_one_row
-    else:  # one row only: everything above the state grows with the rows
-        per_row = at_one_row - _held(plan)
-    peak = at_one_row + per_row * (rows - 1)
-    if piece.dims.pp == 1 and microbatches == 1 < per_rank:
-        # planned with gradient accumulation, whose gradients are alive through each later backward;
-        # one microbatch per step has none before its own backward makes them
-        peak -= sum(plan.gradients.values())
-    plan = dataclasses.replace(plan, peak=int(peak))
-    comm, calls = plan.communication, plan.calls
-    if piece.dims.pp > 1 and microbatches != per_rank:  # the same activations, in fewer sends
-        calls["pp"] = {k: max(1, int(v * microbatches / per_rank)) for k, v in calls.get("pp", {}).items()}
-    if piece.dims.pp == 1 and microbatches != per_rank:  # FSDP gathers and reduces every microbatch
-        for table in (comm, calls):
-            for dim in list(table):
-                if dim.split(" = ")[0] in ("dp_shard", "dp_shard_cp"):
-                    table[dim] = {k: int(v * microbatches / per_rank) if k in ("all-gather", "reduce-scatter")
-                                  else v for k, v in table[dim].items()}
-    if replicas > 1:  # HSDP: state sharded over fewer ranks, plus the replicas' gradient all-reduce
-        held = _held(plan) - plan.buffers
-        grads = sum(plan.gradients.values()) * replicas
-        plan = dataclasses.replace(plan, peak=plan.peak + held * (replicas - 1))
-        rs_calls = sum(v.get("reduce-scatter", 0) for k, v in calls.items() if k.startswith("dp_shard"))
-        comm["dp_replicate"] = {"all-reduce": grads}
-        calls["dp_replicate"] = {"all-reduce": max(rs_calls, 1)}
-    return plan
+def _set_peak(layout: Layout, peak: int, device: Device) -> None:
+    layout.peak = peak
+    layout.spare_gib = device.memory_gib - device.reserve_gib - peak / 2**30
+    layout.fits = layout.spare_gib >= 0
 
 
-def search(cfg: JobConfig, world: int, device: Device, *, device_type: str = "cuda",
+def _check_fastest(sized: list[_Sized], device: Device, top: int, workers: int, result: SearchResult) -> None:
+    """Fastest first, plan each layout's peak and keep those that fit, until `top` of them do."""
+    capacity = (device.memory_gib - device.reserve_gib) * 2**30
+    for i, s in enumerate(sized):
+        if len(result.ranked) >= top:
+            break
+        lay, piece = s.layout, s.piece
+        if s.floor() > capacity:  # the state alone does not fit: no plan can change that
+            _set_peak(lay, s.floor(), device)
+            lay.peak_is_floor = True
+            result.too_big.append(lay)
+            continue
+        if s.needs() and lay.ac_mode not in piece.errors:
+            jobs = _next_jobs(sized[i:], capacity, workers)
+            _plan(jobs, workers)
+            result.planned += len(jobs)
+        if lay.ac_mode in piece.errors:
+            continue
+        result.checked += 1
+        _set_peak(lay, max(rank_peak(piece.results.__getitem__, s.states[rank], rank, lay.ac_mode,
+                                     piece.depths[lay.ac_mode], piece.row_counts, piece.blocks, lay.rows,
+                                     s.replicas, s.one_microbatch) for rank in piece.ranks), device)
+        (result.ranked if lay.fits else result.too_big).append(lay)
+
+
+def _next_jobs(sized: list[_Sized], capacity: float, workers: int) -> list[tuple[_Piece, Key]]:
+    """The plans the next layouts in line need: the first one's, and the following ones' until every
+    worker has a plan."""
+    jobs: dict[tuple[int, Key], tuple[_Piece, Key]] = {}
+    for s in sized:
+        if jobs and len(jobs) >= workers:
+            break
+        if s.layout.ac_mode in s.piece.errors or s.floor() > capacity:
+            continue
+        for key in s.needs():
+            jobs.setdefault((id(s.piece), key), (s.piece, key))
+    return list(jobs.values())
+
+
+def search(cfg: JobConfig, world: int, device: Device, *, device_type: str = "cuda", top: int = 10,
            workers: int | None = None) -> SearchResult:
-    """Every sensible layout of `cfg`'s model on `world` devices, planned and ranked (fastest that
-    fits first). The config's global batch and sequence length are kept; its layout is ignored."""
+    """The `top` fastest layouts of `cfg`'s model on `world` devices that fit, ranked by predicted
+    tokens/s per device. The config's global batch and sequence length are kept; its layout is not."""
     start = time.perf_counter()
     if cfg.training.global_batch_size <= 0:
         raise KilnError("plan.py --search keeps the global batch: give --training.global_batch_size")
@@ -343,39 +282,56 @@ def search(cfg: JobConfig, world: int, device: Device, *, device_type: str = "cu
     base = configured(cfg, {"model.converters": ""})  # float8 is planned as its speed-up, see devices.py
     spec, args = load_model_family(base)
     flags = enumerate_layouts(base, world, device.links.per_node, args, spec.pipeline_fn is not None)
-    # one plan per piece: FSDP over all data-parallel ranks (HSDP splits are derived)
+    t = cfg.training
+    result = SearchResult(f"{cfg.model.name}/{cfg.model.flavor}", world, device, t.global_batch_size,
+                          t.seq_len, top, considered=len(flags))
+    pieces = _pieces(base, flags, world, spec, args, device_type, result)
+    workers = workers or os.cpu_count() or 1
+    jobs = [(piece, key) for piece in pieces for key in piece.missing("none", 1)]
+    _plan(jobs, workers)  # every piece without AC at one row: the collectives of all its layouts
+    result.planned = len(jobs)
+    flops_per_token = spec.flops_per_token_fn(args, count_parameters(spec, args), t.seq_len)
+    speedups = {"compile": cfg.compile.enable, "float8": float8}
+    sized = [s for piece in pieces if "none" not in piece.errors
+             for s in _sized_layouts(piece, device, flops_per_token, t.seq_len, speedups)]
+    sized.sort(key=lambda s: -s.layout.tokens_per_second_per_device)
+    result.sized = len(sized)
+    _check_fastest(sized, device, top, workers, result)
+    for piece in pieces:
+        for mode, error in piece.errors.items():
+            result.failed.append(f"{_describe_piece(piece)}, AC {mode}: {type(error).__name__}: {error}")
+    if float8:
+        for lay in result.ranked + result.too_big:
+            lay.flags["model.converters"] = "float8"
+    result.too_big.sort(key=lambda lay: lay.peak)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _pieces(base: JobConfig, flags: list[dict[str, Any]], world: int, spec: Any, args: Any, device_type: str,
+            result: SearchResult) -> list[_Piece]:
+    """One piece per distinct layout the trainer accepts (its HSDP splits noted on it)."""
     pieces: dict[tuple, _Piece] = {}
-    refused = 0
+    refused: set[tuple] = set()
     for f in flags:
         key = tuple(sorted((k, v) for k, v in f.items() if "data_parallel" not in k))
+        if key in refused:
+            result.refused += 1
+            continue
         if key not in pieces:
             fsdp_all = {"parallelism.data_parallel_replicate_degree": 1,
                         "parallelism.data_parallel_shard_degree": -1}
             piece = _piece(base, f | fsdp_all, world, spec, args, device_type)
             if piece is None:
-                refused += 1
+                refused.add(key)
+                result.refused += 1
                 continue
             pieces[key] = piece
         pieces[key].replicas.add(f["parallelism.data_parallel_replicate_degree"])
-    tasks = [t for p in pieces.values() for t in p.tasks]
-    done = _run_tasks(tasks, workers or os.cpu_count() or 1, keep_errors=True, start="fork") if tasks else []
-    t = cfg.training
-    result = SearchResult(f"{cfg.model.name}/{cfg.model.flavor}", world, device, t.global_batch_size,
-                          t.seq_len, considered=len(flags), refused=refused, planned=len(tasks))
-    num_params = count_parameters(spec, args)
-    flops_per_token = spec.flops_per_token_fn(args, num_params, cfg.training.seq_len)
-    for piece in pieces.values():
-        outcome, done = done[:len(piece.tasks)], done[len(piece.tasks):]
-        if any(isinstance(r, BaseException) for r in outcome):
-            result.refused += 1
-            continue
-        piece.results = dict(zip(piece.keys, outcome, strict=True))
-        speedups = {"compile": cfg.compile.enable, "float8": float8}
-        for layout in _layouts_of(piece, device, flops_per_token, cfg.training.seq_len, speedups):
-            if float8:
-                layout.flags["model.converters"] = "float8"
-            (result.ranked if layout.fits else result.too_big).append(layout)
-    result.ranked.sort(key=lambda lay: -lay.tokens_per_second_per_device)
-    result.too_big.sort(key=lambda lay: lay.peak)
-    result.seconds = time.perf_counter() - start
-    return result
+    return list(pieces.values())
+
+
+def _describe_piece(piece: _Piece) -> str:
+    d = piece.dims
+    return Layout(piece.flags, {"pp": d.pp, "dp_replicate": 1, "dp_shard": d.dp, "cp": d.cp, "tp": d.tp,
+                                "ep": d.ep}, "none", 1).describe().rsplit(", AC", 1)[0]

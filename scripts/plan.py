@@ -101,8 +101,8 @@ def main(argv: list[str]) -> int:
             if args.mfu:
                 device = dataclasses.replace(device, efficiency=dataclasses.replace(device.efficiency,
                                                                                     compute=args.mfu))
-            result = search(cfg, args.world_size, device, device_type=device_type)
-            print(search_json(result, args.top) if args.json else format_search(result, args.top))
+            result = search(cfg, args.world_size, device, device_type=device_type, top=args.top)
+            print(search_json(result) if args.json else format_search(result))
             return 0
         plan = make_plan(cfg, args.world_size, device, device_type=device_type, ranks=args.ranks,
                          mfu=args.mfu, ac_modes=not args.no_ac_modes)

@@ -42,12 +42,34 @@ def test_search_ranks_the_layouts_and_its_best_equals_a_full_plan():
         assert abs(whole["step_seconds"] - row["step_seconds"]) <= 0.02 * whole["step_seconds"], row["layout"]
 
 
+    # asked for the best three, it plans the peaks of the leaders only and finds the same three
+    proc = plan("--search", "--json", "--world-size", "2", "--top", "3", *MODEL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    leaders = json.loads(proc.stdout)
+    assert [r["layout"] for r in leaders["ranked"]] == [r["layout"] for r in ranked[:3]]
+    assert [r["peak_gib"] for r in leaders["ranked"]] == [r["peak_gib"] for r in ranked[:3]]
+    assert leaders["planned"] < result["planned"] and leaders["checked"] < result["checked"]
+
+
 def test_search_prints_the_fastest_and_how_to_run_it():
     proc = plan("--search", "--world-size", "1", "--top", "3", *MODEL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Search · llama3_5l/tiny · world 1 · H100 SXM 80GB" in proc.stdout
     assert "tokens/s/dev" in proc.stdout and "run the first with: --parallelism." in proc.stdout
     assert len([line for line in proc.stdout.splitlines() if line[:3].strip().isdigit()]) == 3
+
+
+def test_search_where_nothing_fits_shows_the_smallest_without_planning_what_cannot_fit():
+    # 1 MiB per device: the state alone exceeds it, so no layout's activations are planned
+    proc = plan("--search", "--json", "--world-size", "1", "--device-memory", "1MiB", "--reserve-gib", "0",
+                *MODEL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["ranked"] == [] and result["checked"] == 0 and result["planned"] == 2
+    smallest = result["too_big"]
+    assert smallest and all(r["peak_is_state_floor"] and r["peak_gib"] > 1 / 1024 for r in smallest)
+    text = plan("--search", "--world-size", "1", "--device-memory", "1MiB", "--reserve-gib", "0", *MODEL)
+    assert "nothing fits: the smallest peaks were" in text.stdout and "≥" in text.stdout
 
 
 def test_search_needs_a_global_batch():
