@@ -1,10 +1,12 @@
-"""A rank planned on a model cut to one and two blocks per pipeline stage, at the model's real depth,
-rows per microbatch and HSDP split — what lets the layout search plan small models for large ones.
+"""A rank planned on a model cut to one and two blocks per pipeline stage and to a few microbatches
+per step, at the model's real depth, microbatches, rows per microbatch and HSDP split — what lets
+the layout search plan small models and short steps for large ones.
 
-State, collectives and calls are linear in the blocks per stage; the peak is linear in the blocks
-and in the rows (a block's and a row's share are the differences); FSDP's gathers and
-reduce-scatters repeat per microbatch; a step of one microbatch holds no accumulated gradients
-through its backward; HSDP's replicas shard the state over fewer ranks and add their all-reduce.
+State, collectives and calls are linear in the blocks per stage and in the microbatches per step;
+the peak is linear in the blocks and in the rows (a block's and a row's share are the differences)
+and stops growing with the microbatches once they fill the pipeline (without one: once gradients
+accumulate); a step of one microbatch holds no accumulated gradients through its backward; HSDP's
+replicas shard the state over fewer ranks and add their all-reduce.
 """
 
 from __future__ import annotations
@@ -14,29 +16,29 @@ from collections.abc import Callable
 
 from planning.rank_plan import RankPlan
 
-Key = tuple[int, str, int, int]  # rank, AC mode, blocks per stage, rows per microbatch
+Key = tuple[int, str, int, int, int]  # rank, AC mode, blocks per stage, rows per microbatch, microbatches
 Lookup = Callable[[Key], RankPlan]
 
 
-def linear(one: float, two: float, blocks: float, depths: tuple[int, int] = (1, 2)) -> float:
-    """A value measured at `depths` blocks per stage (one, two), at `blocks` per stage."""
-    return one + (two - one) * (blocks - depths[0]) / (depths[1] - depths[0])
+def linear(one: float, two: float, at: float, points: tuple[float, float] = (1, 2)) -> float:
+    """A value measured at `points` (one, two), at `at`."""
+    return one + (two - one) * (at - points[0]) / (points[1] - points[0])
 
 
-def scaled(one: RankPlan, two: RankPlan, blocks: float) -> RankPlan:
-    """A rank planned at one and two blocks per stage, at `blocks` per stage: its state, buffers,
-    collectives and calls (the peak is rank_peak's)."""
+def between(one: RankPlan, two: RankPlan, at: float, points: tuple[float, float] = (1, 2)) -> RankPlan:
+    """A rank planned at two points of one size (blocks per stage, microbatches per step), at `at`:
+    its state, buffers, collectives and calls (the peak is rank_peak's)."""
     def dim_map(a: dict, b: dict) -> dict:
-        return {dim: {kind: int(linear(a.get(dim, {}).get(kind, 0), b.get(dim, {}).get(kind, 0), blocks))
+        return {dim: {kind: int(linear(a.get(dim, {}).get(kind, 0), b.get(dim, {}).get(kind, 0), at, points))
                       for kind in set(a.get(dim, {})) | set(b.get(dim, {}))} for dim in set(a) | set(b)}
 
     def sizes(a: dict, b: dict) -> dict:
-        return {k: int(linear(a.get(k, 0), b.get(k, 0), blocks)) for k in set(a) | set(b)}
+        return {k: int(linear(a.get(k, 0), b.get(k, 0), at, points)) for k in set(a) | set(b)}
 
     return dataclasses.replace(one, parameters=sizes(one.parameters, two.parameters),
                                gradients=sizes(one.gradients, two.gradients),
                                optimizer=sizes(one.optimizer, two.optimizer),
-                               buffers=int(linear(one.buffers, two.buffers, blocks)), peak_breakdown={},
+                               buffers=int(linear(one.buffers, two.buffers, at, points)), peak_breakdown={},
                                communication=dim_map(one.communication, two.communication),
                                calls=dim_map(one.calls, two.calls))
 
@@ -47,25 +49,59 @@ def held(plan: RankPlan) -> int:
     return sum(sum(part.values()) for part in state) + plan.buffers
 
 
-def rank_state(plan_of: Lookup, rank: int, blocks: float, pp: int, replicas: int, microbatches: int,
-               per_rank: int) -> RankPlan:
+def rank_state(plan_of: Lookup, rank: int, blocks: float, planned: tuple[int, ...], microbatches: int,
+               per_rank: int, pp: int, replicas: int) -> RankPlan:
     """One rank at `blocks` per stage, `microbatches` per step of `per_rank` rows, `replicas` HSDP
     replicas: its state, collectives and calls, from its plans without activation checkpointing at
-    one row per microbatch (whose `microbatches` were `per_rank`). Its peak is not set."""
-    plan = scaled(plan_of((rank, "none", 1, 1)), plan_of((rank, "none", 2, 1)), blocks)
+    one row per microbatch and the `planned` microbatches per step. No peak."""
+    at = [between(plan_of((rank, "none", 1, 1, m)), plan_of((rank, "none", 2, 1, m)), blocks)
+          for m in planned]
+    if len(at) == 2:
+        plan = _at_microbatches(at[0], at[1], planned, microbatches, per_rank)
+    else:  # planned at the rank's rows, one per microbatch
+        plan = _per_microbatch(at[0], microbatches / per_rank, pp)
     comm, calls = plan.communication, plan.calls
-    if pp > 1 and microbatches != per_rank:  # the same activations, in fewer sends
-        calls["pp"] = {k: max(1, int(v * microbatches / per_rank)) for k, v in calls.get("pp", {}).items()}
-    if pp == 1 and microbatches != per_rank:  # FSDP gathers and reduces every microbatch
-        for table in (comm, calls):
-            for dim in list(table):
-                if dim.split(" = ")[0] in ("dp_shard", "dp_shard_cp"):
-                    table[dim] = {k: int(v * microbatches / per_rank) if k in ("all-gather", "reduce-scatter")
-                                  else v for k, v in table[dim].items()}
     if replicas > 1:  # the replicas all-reduce the gradients each of them reduce-scattered
         rs_calls = sum(v.get("reduce-scatter", 0) for k, v in calls.items() if k.startswith("dp_shard"))
         comm["dp_replicate"] = {"all-reduce": sum(plan.gradients.values()) * replicas}
         calls["dp_replicate"] = {"all-reduce": max(rs_calls, 1)}
+    return plan
+
+
+def _weights_traffic(dim: str, kind: str) -> bool:
+    """FSDP's gathers and reductions (on a data-parallel group), which repeat per microbatch whatever
+    its rows; the rest (TP, CP, EP, PP) moves activations, as many bytes as the step has rows."""
+    return dim.startswith("dp") and kind in ("all-gather", "reduce-scatter", "all-reduce")
+
+
+def _at_microbatches(one: RankPlan, two: RankPlan, planned: tuple[int, ...], microbatches: int,
+                     per_rank: int) -> RankPlan:
+    """A rank planned at one row per microbatch and two counts of them, at `microbatches` of
+    `per_rank` rows in all: every collective's calls and FSDP's bytes at the microbatches, the
+    activations' bytes at the rows (both linear: a part per step plus a part per microbatch or row)."""
+    def table(a: dict, b: dict, at_dim_kind) -> dict:
+        return {dim: {kind: int(linear(a.get(dim, {}).get(kind, 0), b.get(dim, {}).get(kind, 0),
+                                       at_dim_kind(dim, kind), planned))
+                      for kind in set(a.get(dim, {})) | set(b.get(dim, {}))} for dim in set(a) | set(b)}
+
+    comm = table(one.communication, two.communication,
+                 lambda dim, kind: microbatches if _weights_traffic(dim, kind) else per_rank)
+    calls = table(one.calls, two.calls, lambda dim, kind: microbatches)
+    return dataclasses.replace(one, communication=comm, calls=calls)
+
+
+def _per_microbatch(plan: RankPlan, ratio: float, pp: int) -> RankPlan:
+    """A rank planned at one row per microbatch, at `ratio` times as many microbatches of as many more
+    rows: the pipeline's sends and FSDP's gathers and reduce-scatters scale with the microbatches."""
+    comm, calls = plan.communication, plan.calls
+    if ratio != 1 and pp > 1:  # the same activations, in fewer sends
+        calls["pp"] = {k: max(1, int(v * ratio)) for k, v in calls.get("pp", {}).items()}
+    if ratio != 1 and pp == 1:
+        for table in (comm, calls):
+            for dim in list(table):
+                if dim.split(" = ")[0] in ("dp_shard", "dp_shard_cp"):
+                    table[dim] = {k: int(v * ratio) if k in ("all-gather", "reduce-scatter") else v
+                                  for k, v in table[dim].items()}
     return plan
 
 
@@ -77,13 +113,15 @@ def state_floor(state: RankPlan, replicas: int) -> int:
 
 
 def rank_peak(plan_of: Lookup, state: RankPlan, rank: int, mode: str, depths: tuple[int, int],
-              row_counts: list[int], blocks: float, rows: int, replicas: int, one_microbatch: bool) -> int:
-    """The rank's peak in AC `mode` (planned at `depths` blocks per stage and `row_counts` rows) at
-    `blocks` per stage and `rows` per microbatch; `one_microbatch` when a step of several rows per
-    rank runs them as one microbatch without pipelining."""
+              row_counts: dict[int, int], blocks: float, rows: int, replicas: int, one_microbatch: bool
+              ) -> int:
+    """The rank's peak in AC `mode` (planned at `depths` blocks per stage, at the rows per microbatch
+    `row_counts` maps to the microbatches planned with them, enough to fill the pipeline or to
+    accumulate gradients) at `blocks` per stage and `rows` per microbatch; `one_microbatch` when a
+    step of several rows per rank runs them as one microbatch without pipelining."""
     def peak_at(r: int) -> float:
-        return linear(plan_of((rank, mode, depths[0], r)).peak, plan_of((rank, mode, depths[1], r)).peak,
-                      blocks, depths)
+        one, two = (plan_of((rank, mode, k, r, row_counts[r])).peak for k in depths)
+        return linear(one, two, blocks, depths)
 
     at_one_row = peak = peak_at(1)
     if rows > 1 and 2 in row_counts:  # the peak's growth per row, itself linear in the blocks

@@ -178,7 +178,8 @@ def format_search(result: SearchResult) -> str:
              f"seq {r.seq_len}",
              f"{r.considered} layouts enumerated, {r.refused} refused by the trainer's checks; "
              f"{r.sized} sized and ranked by predicted speed, the fastest {r.checked} checked against "
-             f"memory; {r.planned} fake plans in {r.seconds:,.0f} s",
+             f"memory ({r.implied} more too big as fewer rows were); {r.planned} fake plans in "
+             f"{r.seconds:,.0f} s",
              *(f"plan failed: {failure}" for failure in r.failed), ""]
     if not r.ranked:
         lines.append("nothing fits: the smallest peaks were (≥: the state alone, not planned further)")
@@ -211,7 +212,8 @@ def search_json(result: SearchResult) -> str:
     r = result
     return json.dumps({"model": r.model, "world_size": r.world_size, "device": r.device.name,
                        "global_batch": r.global_batch, "seq_len": r.seq_len, "considered": r.considered,
-                       "refused": r.refused, "sized": r.sized, "checked": r.checked, "planned": r.planned,
+                       "refused": r.refused, "sized": r.sized, "checked": r.checked,
+                       "implied": r.implied, "planned": r.planned,
                        "failed": r.failed, "seconds": r.seconds,
                        "ranked": [row(lay) for lay in r.ranked[:r.top]],
                        "too_big": [row(lay) for lay in r.too_big[:5]]}, indent=1)

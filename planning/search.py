@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,7 @@ class SearchResult:
     refused: int = 0  # of them the trainer's checks refuse
     sized: int = 0  # layouts sized and ranked by predicted speed
     checked: int = 0  # of them checked against the device's memory
+    implied: int = 0  # of them too big because fewer rows per microbatch were
     planned: int = 0  # fake plans run
     failed: list[str] = field(default_factory=list)  # layouts whose plans raised, with the error
     seconds: float = 0.0
@@ -85,7 +87,6 @@ class _Piece:
 
     flags: dict[str, Any]
     cfg: JobConfig  # at one row per microbatch
-    doubled: JobConfig | None  # at two rows per microbatch, where the trainer accepts it
     dims: Any
     global_batch: int
     blocks: float  # blocks per pipeline stage in the real model
@@ -95,24 +96,40 @@ class _Piece:
     args: Any
     device_type: str
     depths: dict[str, tuple[int, int]]  # AC mode → blocks per stage planned
+    micro: tuple[int, ...] = (1,)  # microbatches per step the collectives are planned at
+    peak_micro: dict[int, int] = field(default_factory=dict)  # rows per microbatch → microbatches planned
     replicas: set[int] = field(default_factory=lambda: {1})  # HSDP replica counts derived from it
     results: dict[Key, RankPlan] = field(default_factory=dict)
     errors: dict[str, BaseException] = field(default_factory=dict)  # AC mode → why its plan failed
 
     @property
-    def row_counts(self) -> list[int]:
-        return [1, 2] if self.doubled is not None else [1]
+    def per_rank(self) -> int:
+        return self.global_batch // self.dims.dp
+
+    def config(self, rows: int, microbatches: int) -> JobConfig:
+        """The layout at `rows` per microbatch and `microbatches` per step (a plan's batch, not the run's)."""
+        return configured(self.cfg, {_rows_key(self.dims.pp): rows,
+                                     "training.global_batch_size": rows * microbatches * self.dims.dp})
+
+    def accepts(self, rows: int, microbatches: int) -> bool:
+        return _checked(self.config(rows, microbatches), self.spec, self.args, self.dims.world_size,
+                        self.device_type) is not None
+
+    def base(self) -> list[Key]:
+        """The plans every layout of the piece is timed from: no AC, one row, each planned count."""
+        return [(rank, "none", k, 1, m) for m in self.micro for k in self.depths["none"]
+                for rank in self.ranks]
 
     def missing(self, mode: str, rows: int) -> list[Key]:
         """The plans a layout of this piece in `mode` at `rows` per microbatch needs and lacks."""
-        counts = self.row_counts if rows > 1 else [1]
-        return [(rank, mode, k, r) for r in counts for k in self.depths[mode] for rank in self.ranks
-                if (rank, mode, k, r) not in self.results]
+        counts = [r for r in self.peak_micro if r == 1 or rows > 1]
+        return [(rank, mode, k, r, self.peak_micro[r]) for r in counts for k in self.depths[mode]
+                for rank in self.ranks if (rank, mode, k, r, self.peak_micro[r]) not in self.results]
 
     def task(self, key: Key) -> tuple:
-        rank, mode, k, r = key
-        cfg = self.cfg if r == 1 else self.doubled
-        return cfg, self.dims.world_size, rank, self.device_type, mode, True, self.dims.pp * self.stages * k
+        rank, mode, k, rows, microbatches = key
+        return (self.config(rows, microbatches), self.dims.world_size, rank, self.device_type, mode, True,
+                self.dims.pp * self.stages * k)
 
 
 @dataclass
@@ -128,25 +145,56 @@ class _Sized:
     def floor(self) -> int:
         return max(state_floor(s, self.replicas) for s in self.states.values())
 
+    @property
+    def group(self) -> tuple:
+        return id(self.piece), self.replicas, self.layout.ac_mode
+
     def needs(self) -> list[Key]:
         return self.piece.missing(self.layout.ac_mode, self.layout.rows)
+
+    def peak(self, rows: int) -> int:
+        """The fullest rank's peak in this layout's AC mode and HSDP split at `rows` per microbatch."""
+        p, mode = self.piece, self.layout.ac_mode
+        one = self.one_microbatch and rows == self.layout.rows
+        return max(rank_peak(p.results.__getitem__, self.states[rank], rank, mode, p.depths[mode],
+                             p.peak_micro, p.blocks, rows, self.replicas, one) for rank in p.ranks)
 
 
 def _piece(cfg: JobConfig, flags: dict[str, Any], world: int, spec: Any, args: Any, device_type: str
            ) -> _Piece | None:
-    """The layout checked as the trainer checks it at one row per microbatch (None when refused)."""
+    """The layout checked as the trainer checks it at one row per microbatch (None when refused), and
+    the microbatches per step it is planned at."""
     changed = configured(cfg, flags | {"training.local_batch_size": 1, "activation_checkpoint.mode": "none"})
     checked = _checked(changed, spec, args, world, device_type)
     if checked is None:
         return None
     dims, batch = checked
     stages = 2 if flags.get("parallelism.pipeline_parallel_schedule") == SCHEDULES[2] else 1
-    # a second row per microbatch, where the trainer accepts it, gives the activations' growth
-    doubled = configured(changed, {_rows_key(dims.pp): 2})
     option = changed.activation_checkpoint.selective_ac_option
-    return _Piece(flags, changed, doubled if _checked(doubled, spec, args, world, device_type) else None,
-                  dims, batch, args.n_layers / (dims.pp * stages), default_ranks(world, dims.pp), stages,
-                  spec, args, device_type, {mode: _depths(mode, option) for mode in AC_MODES})
+    piece = _Piece(flags, changed, dims, batch, args.n_layers / (dims.pp * stages),
+                   default_ranks(world, dims.pp), stages, spec, args, device_type,
+                   {mode: _depths(mode, option) for mode in AC_MODES})
+    piece.micro, piece.peak_micro = _microbatches(piece)
+    return piece
+
+
+def _microbatches(piece: _Piece) -> tuple[tuple[int, ...], dict[int, int]]:
+    """(the microbatches per step a piece's collectives are planned at, rows per microbatch → the
+    microbatches its peaks are planned at). A step's collectives are linear in its microbatches, so
+    two counts give them at any count; the peak needs enough to fill the pipeline (pp × stages per
+    rank) or, without one, to accumulate gradients (2). A rank's real count, where smaller, is used
+    as it is; a cut batch the trainer refuses falls back to the real one."""
+    pp, per_rank = piece.dims.pp, piece.per_rank
+    fill = 2 if pp == 1 else pp * piece.stages
+    micro = tuple(sorted({min(per_rank, fill), min(per_rank, fill + (1 if pp == 1 else pp))}))
+    if not all(piece.accepts(1, m) for m in micro):
+        micro = (per_rank,)
+    peak_micro = {1: micro[0]}
+    doubled = min(per_rank, 2) if pp == 1 else min(fill, per_rank // 2)
+    # a second row per microbatch, where the trainer accepts it, gives the activations' growth
+    if doubled >= 1 and piece.accepts(2, doubled):
+        peak_micro[2] = doubled
+    return micro, peak_micro
 
 
 def _checked(cfg: JobConfig, spec: Any, args: Any, world: int, device_type: str) -> tuple[Any, int] | None:
@@ -214,8 +262,8 @@ def _size(piece: _Piece, device: Device, flops_per_token: float, seq_len: int, r
     bubble = pipeline_bubble(d.pp, piece.stages, microbatches)
     states, steps = {}, []
     for rank in piece.ranks:
-        state = rank_state(piece.results.__getitem__, rank, piece.blocks, d.pp, replicas, microbatches,
-                           per_rank)
+        state = rank_state(piece.results.__getitem__, rank, piece.blocks, piece.micro, microbatches,
+                           per_rank, d.pp, replicas)
         states[rank] = state
         steps.append(predict(flops_per_token * tokens / d.world_size, bubble, state.communication,
                              state.calls, tokens / d.world_size, facts, device.peak_tflops, device.links,
@@ -231,8 +279,16 @@ def _set_peak(layout: Layout, peak: int, device: Device) -> None:
 
 
 def _check_fastest(sized: list[_Sized], device: Device, top: int, workers: int, result: SearchResult) -> None:
-    """Fastest first, plan each layout's peak and keep those that fit, until `top` of them do."""
+    """Fastest first, plan each layout's peak and keep those that fit, until `top` of them do. A peak
+    grows with the rows per microbatch (as long as gradients accumulate over several microbatches):
+    where one row is too big, more rows are too, unplanned."""
     capacity = (device.memory_gib - device.reserve_gib) * 2**30
+    too_big_rows: dict[tuple, int] = {}  # (piece, replicas, AC mode) → fewest rows found too big
+
+    def implied(s: _Sized) -> bool:
+        fewest = too_big_rows.get(s.group)
+        return fewest is not None and s.layout.rows >= fewest and not s.one_microbatch
+
     for i, s in enumerate(sized):
         if len(result.ranked) >= top:
             break
@@ -242,29 +298,37 @@ def _check_fastest(sized: list[_Sized], device: Device, top: int, workers: int, 
             lay.peak_is_floor = True
             result.too_big.append(lay)
             continue
-        if s.needs() and lay.ac_mode not in piece.errors:
-            jobs = _next_jobs(sized[i:], capacity, workers)
+        while s.needs() and lay.ac_mode not in piece.errors and not implied(s):
+            jobs = _next_jobs(sized[i:], capacity, workers, implied)
             _plan(jobs, workers)
             result.planned += len(jobs)
+            if lay.rows > 1 and not s.one_microbatch and not piece.missing(lay.ac_mode, 1) and \
+                    lay.ac_mode not in piece.errors and s.peak(1) > capacity:
+                too_big_rows[s.group] = 1
         if lay.ac_mode in piece.errors:
             continue
+        if implied(s):
+            result.implied += 1
+            continue
         result.checked += 1
-        _set_peak(lay, max(rank_peak(piece.results.__getitem__, s.states[rank], rank, lay.ac_mode,
-                                     piece.depths[lay.ac_mode], piece.row_counts, piece.blocks, lay.rows,
-                                     s.replicas, s.one_microbatch) for rank in piece.ranks), device)
+        _set_peak(lay, s.peak(lay.rows), device)
         (result.ranked if lay.fits else result.too_big).append(lay)
+        if not lay.fits and not s.one_microbatch:
+            too_big_rows[s.group] = min(lay.rows, too_big_rows.get(s.group, lay.rows))
 
 
-def _next_jobs(sized: list[_Sized], capacity: float, workers: int) -> list[tuple[_Piece, Key]]:
-    """The plans the next layouts in line need: the first one's, and the following ones' until every
-    worker has a plan."""
+def _next_jobs(sized: list[_Sized], capacity: float, workers: int, implied: Callable[[_Sized], bool]
+               ) -> list[tuple[_Piece, Key]]:
+    """The plans the next layouts in line need — one row per microbatch first, which may show more
+    rows too big — the first one's, and the following ones' until every worker has a plan."""
     jobs: dict[tuple[int, Key], tuple[_Piece, Key]] = {}
     for s in sized:
         if jobs and len(jobs) >= workers:
             break
-        if s.layout.ac_mode in s.piece.errors or s.floor() > capacity:
+        if s.layout.ac_mode in s.piece.errors or s.floor() > capacity or implied(s):
             continue
-        for key in s.needs():
+        gate = s.piece.missing(s.layout.ac_mode, 1) if not s.one_microbatch else []
+        for key in gate or s.needs():
             jobs.setdefault((id(s.piece), key), (s.piece, key))
     return list(jobs.values())
 
@@ -287,7 +351,7 @@ def search(cfg: JobConfig, world: int, device: Device, *, device_type: str = "cu
                           t.seq_len, top, considered=len(flags))
     pieces = _pieces(base, flags, world, spec, args, device_type, result)
     workers = workers or os.cpu_count() or 1
-    jobs = [(piece, key) for piece in pieces for key in piece.missing("none", 1)]
+    jobs = [(piece, key) for piece in pieces for key in piece.base()]
     _plan(jobs, workers)  # every piece without AC at one row: the collectives of all its layouts
     result.planned = len(jobs)
     flops_per_token = spec.flops_per_token_fn(args, count_parameters(spec, args), t.seq_len)
