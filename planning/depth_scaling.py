@@ -25,20 +25,20 @@ def linear(one: float, two: float, at: float, points: tuple[float, float] = (1, 
     return one + (two - one) * (at - points[0]) / (points[1] - points[0])
 
 
-def between(one: RankPlan, two: RankPlan, at: float, points: tuple[float, float] = (1, 2)) -> RankPlan:
-    """A rank planned at two points of one size (blocks per stage, microbatches per step), at `at`:
-    its state, buffers, collectives and calls (the peak is rank_peak's)."""
+def at_blocks(one: RankPlan, two: RankPlan, blocks: float) -> RankPlan:
+    """A rank planned at one and two blocks per stage, at `blocks` per stage: its state, buffers,
+    collectives and calls (the peak is rank_peak's)."""
     def dim_map(a: dict, b: dict) -> dict:
-        return {dim: {kind: int(linear(a.get(dim, {}).get(kind, 0), b.get(dim, {}).get(kind, 0), at, points))
+        return {dim: {kind: int(linear(a.get(dim, {}).get(kind, 0), b.get(dim, {}).get(kind, 0), blocks))
                       for kind in set(a.get(dim, {})) | set(b.get(dim, {}))} for dim in set(a) | set(b)}
 
     def sizes(a: dict, b: dict) -> dict:
-        return {k: int(linear(a.get(k, 0), b.get(k, 0), at, points)) for k in set(a) | set(b)}
+        return {k: int(linear(a.get(k, 0), b.get(k, 0), blocks)) for k in set(a) | set(b)}
 
     return dataclasses.replace(one, parameters=sizes(one.parameters, two.parameters),
                                gradients=sizes(one.gradients, two.gradients),
                                optimizer=sizes(one.optimizer, two.optimizer),
-                               buffers=int(linear(one.buffers, two.buffers, at, points)), peak_breakdown={},
+                               buffers=int(linear(one.buffers, two.buffers, blocks)), peak_breakdown={},
                                communication=dim_map(one.communication, two.communication),
                                calls=dim_map(one.calls, two.calls))
 
@@ -50,16 +50,16 @@ def held(plan: RankPlan) -> int:
 
 
 def rank_state(plan_of: Lookup, rank: int, blocks: float, planned: tuple[int, ...], microbatches: int,
-               per_rank: int, pp: int, replicas: int) -> RankPlan:
+               per_rank: int, replicas: int) -> RankPlan:
     """One rank at `blocks` per stage, `microbatches` per step of `per_rank` rows, `replicas` HSDP
     replicas: its state, collectives and calls, from its plans without activation checkpointing at
     one row per microbatch and the `planned` microbatches per step. No peak."""
-    at = [between(plan_of((rank, "none", 1, 1, m)), plan_of((rank, "none", 2, 1, m)), blocks)
+    at = [at_blocks(plan_of((rank, "none", 1, 1, m)), plan_of((rank, "none", 2, 1, m)), blocks)
           for m in planned]
     if len(at) == 2:
         plan = _at_microbatches(at[0], at[1], planned, microbatches, per_rank)
-    else:  # planned at the rank's rows, one per microbatch
-        plan = _per_microbatch(at[0], microbatches / per_rank, pp)
+    else:  # planned at one count: the collectives that repeat per microbatch scale with them
+        plan = _per_microbatch(at[0], microbatches / planned[0])
     comm, calls = plan.communication, plan.calls
     if replicas > 1:  # the replicas all-reduce the gradients each of them reduce-scattered
         rs_calls = sum(v.get("reduce-scatter", 0) for k, v in calls.items() if k.startswith("dp_shard"))
@@ -90,18 +90,18 @@ def _at_microbatches(one: RankPlan, two: RankPlan, planned: tuple[int, ...], mic
     return dataclasses.replace(one, communication=comm, calls=calls)
 
 
-def _per_microbatch(plan: RankPlan, ratio: float, pp: int) -> RankPlan:
-    """A rank planned at one row per microbatch, at `ratio` times as many microbatches of as many more
-    rows: the pipeline's sends and FSDP's gathers and reduce-scatters scale with the microbatches."""
-    comm, calls = plan.communication, plan.calls
-    if ratio != 1 and pp > 1:  # the same activations, in fewer sends
-        calls["pp"] = {k: max(1, int(v * ratio)) for k, v in calls.get("pp", {}).items()}
-    if ratio != 1 and pp == 1:
-        for table in (comm, calls):
-            for dim in list(table):
-                if dim.split(" = ")[0] in ("dp_shard", "dp_shard_cp"):
-                    table[dim] = {k: int(v * ratio) if k in ("all-gather", "reduce-scatter") else v
-                                  for k, v in table[dim].items()}
+def _per_microbatch(plan: RankPlan, ratio: float) -> RankPlan:
+    """A rank planned at one count of microbatches, at `ratio` times as many (as many rows in all):
+    every call and FSDP's bytes scale with the microbatches (their share per step too, a small
+    overcount), the activations' bytes stay."""
+    if ratio != 1:
+        for dim, kinds in plan.communication.items():
+            for kind in kinds:
+                if _weights_traffic(dim, kind):
+                    kinds[kind] = int(kinds[kind] * ratio)
+        for kinds in plan.calls.values():
+            for kind in kinds:
+                kinds[kind] = max(1, int(kinds[kind] * ratio))
     return plan
 
 
@@ -113,18 +113,18 @@ def state_floor(state: RankPlan, replicas: int) -> int:
 
 
 def rank_peak(plan_of: Lookup, state: RankPlan, rank: int, mode: str, depths: tuple[int, int],
-              row_counts: dict[int, int], blocks: float, rows: int, replicas: int, one_microbatch: bool
+              peak_microbatches: dict[int, int], blocks: float, rows: int, replicas: int, one_microbatch: bool
               ) -> int:
     """The rank's peak in AC `mode` (planned at `depths` blocks per stage, at the rows per microbatch
-    `row_counts` maps to the microbatches planned with them, enough to fill the pipeline or to
+    `peak_microbatches` maps to the microbatches planned with them, enough to fill the pipeline or to
     accumulate gradients) at `blocks` per stage and `rows` per microbatch; `one_microbatch` when a
     step of several rows per rank runs them as one microbatch without pipelining."""
     def peak_at(r: int) -> float:
-        one, two = (plan_of((rank, mode, k, r, row_counts[r])).peak for k in depths)
+        one, two = (plan_of((rank, mode, k, r, peak_microbatches[r])).peak for k in depths)
         return linear(one, two, blocks, depths)
 
     at_one_row = peak = peak_at(1)
-    if rows > 1 and 2 in row_counts:  # the peak's growth per row, itself linear in the blocks
+    if rows > 1 and 2 in peak_microbatches:  # the peak's growth per row, itself linear in the blocks
         two_rows = peak_at(2)
         peak += (two_rows - at_one_row) * (rows - 1)
     elif rows > 1:  # one row planned only: everything above the state grows with the rows

@@ -71,7 +71,7 @@ def rows_options(per_rank: int) -> list[int]:
     return [r for r in powers(min(per_rank, 8)) if per_rank % r == 0]
 
 
-def pipeline_bubble(pp: int, stages_per_rank: int, microbatches: int) -> float:
+def closed_form_bubble(pp: int, stages_per_rank: int, microbatches: int) -> float:
     """The idle share of a pipelined step: (pp − 1) warm-up and cool-down slots against v × n slots of
     work ((pp − 1) / (v·n + pp − 1), 1F1B and its interleaved form alike)."""
     if pp == 1:

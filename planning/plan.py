@@ -201,7 +201,7 @@ def _finish(pending: _Pending, done: list[RankPlan]) -> Plan:
 
 def _plan_task(task: tuple) -> RankPlan:
     """One rank in one activation-checkpoint mode, in a process of its own; a seventh element, when
-    present, plans the model cut to that many blocks, all of one kind (planning/search.py scales
+    present, plans the model cut to that many blocks, all of one kind (planning/depth_scaling.py scales
     such plans to the model's depth)."""
     cfg, world_size, rank, device_type, mode, with_optimizer, *depth = task
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)  # its notes about fake groups

@@ -2,12 +2,13 @@
 
 Every layout planning/layout_space.py enumerates is checked as the trainer checks it. Each distinct
 one (its degrees: HSDP splits, AC modes and microbatch sizes are derived from it) is planned on fake
-tensors without activation checkpointing, cut to one and two blocks per pipeline stage and scaled to
-the model's depth (planning/depth_scaling.py). Those plans give every sized layout's collectives and
-so its predicted step, which does not depend on its memory: all are ranked before any peak is known.
-Then, fastest first, each one's peak is planned (its AC mode at one and two rows per microbatch)
-until `top` of them fit. The order is the one that planning every layout in full would give, for
-the leaders' plans alone; a layout whose state alone exceeds the device is set aside unplanned.
+tensors without activation checkpointing, cut to one and two blocks per pipeline stage and to two
+short counts of microbatches per step, and scaled to the model's depth and the run's microbatches
+(planning/depth_scaling.py). Those plans give every sized layout's collectives and so its predicted
+step, which does not depend on its memory: all are ranked before any peak is known. Then, fastest
+first, each one's peak is planned (its AC mode at one and two rows per microbatch) until `top` of
+them fit. Only the leaders' peaks are planned; the order is the same. Not planned at all: a layout
+whose state alone exceeds the device, and one whose fewer rows per microbatch were already too big.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from components.config.sections import JobConfig
 from components.runtime.errors import KilnError
 from planning.depth_scaling import Key, rank_peak, rank_state, state_floor
 from planning.devices import Device
-from planning.layout_space import SCHEDULES, configured, enumerate_layouts, pipeline_bubble, rows_options
+from planning.layout_space import SCHEDULES, closed_form_bubble, configured, enumerate_layouts, rows_options
 from planning.plan import AC_MODES, _run_tasks, count_parameters, default_ranks
 from planning.rank_plan import RankPlan
 from planning.step_time import LayoutFacts, StepTime, predict
@@ -42,7 +43,7 @@ class Layout:
     fits: bool = False
     spare_gib: float = 0.0
     step: StepTime | None = None
-    peak_is_floor: bool = False  # not planned: the state alone (a lower bound) exceeds the device
+    peak_is_state_floor: bool = False  # not planned: the state alone (a lower bound) exceeds the device
 
     @property
     def tokens_per_second_per_device(self) -> float:
@@ -74,7 +75,8 @@ class SearchResult:
     refused: int = 0  # of them the trainer's checks refuse
     sized: int = 0  # layouts sized and ranked by predicted speed
     checked: int = 0  # of them checked against the device's memory
-    implied: int = 0  # of them too big because fewer rows per microbatch were
+    too_big_by_rows: int = 0  # of them too big because fewer rows per microbatch were (not planned)
+    floored: int = 0  # of them whose state alone exceeds the device (not planned)
     planned: int = 0  # fake plans run
     failed: list[str] = field(default_factory=list)  # layouts whose plans raised, with the error
     seconds: float = 0.0
@@ -96,11 +98,11 @@ class _Piece:
     args: Any
     device_type: str
     depths: dict[str, tuple[int, int]]  # AC mode → blocks per stage planned
-    micro: tuple[int, ...] = (1,)  # microbatches per step the collectives are planned at
-    peak_micro: dict[int, int] = field(default_factory=dict)  # rows per microbatch → microbatches planned
+    timing_microbatches: tuple[int, ...] = (1,)  # microbatches per step the collectives are planned at
+    peak_microbatches: dict[int, int] = field(default_factory=dict)  # rows per microbatch → microbatches
     replicas: set[int] = field(default_factory=lambda: {1})  # HSDP replica counts derived from it
     results: dict[Key, RankPlan] = field(default_factory=dict)
-    errors: dict[str, BaseException] = field(default_factory=dict)  # AC mode → why its plan failed
+    errors: dict[Key, BaseException] = field(default_factory=dict)  # plans that raised
 
     @property
     def per_rank(self) -> int:
@@ -117,14 +119,20 @@ class _Piece:
 
     def base(self) -> list[Key]:
         """The plans every layout of the piece is timed from: no AC, one row, each planned count."""
-        return [(rank, "none", k, 1, m) for m in self.micro for k in self.depths["none"]
+        return [(rank, "none", k, 1, m) for m in self.timing_microbatches for k in self.depths["none"]
+                for rank in self.ranks]
+
+    def keys(self, mode: str, rows: int) -> list[Key]:
+        """The plans a layout of this piece in `mode` at `rows` per microbatch is sized from."""
+        counts = [r for r in self.peak_microbatches if r == 1 or rows > 1]
+        return [(rank, mode, k, r, self.peak_microbatches[r]) for r in counts for k in self.depths[mode]
                 for rank in self.ranks]
 
     def missing(self, mode: str, rows: int) -> list[Key]:
-        """The plans a layout of this piece in `mode` at `rows` per microbatch needs and lacks."""
-        counts = [r for r in self.peak_micro if r == 1 or rows > 1]
-        return [(rank, mode, k, r, self.peak_micro[r]) for r in counts for k in self.depths[mode]
-                for rank in self.ranks if (rank, mode, k, r, self.peak_micro[r]) not in self.results]
+        return [k for k in self.keys(mode, rows) if k not in self.results and k not in self.errors]
+
+    def failed(self, mode: str, rows: int) -> bool:
+        return any(k in self.errors for k in self.keys(mode, rows))
 
     def task(self, key: Key) -> tuple:
         rank, mode, k, rows, microbatches = key
@@ -157,7 +165,7 @@ class _Sized:
         p, mode = self.piece, self.layout.ac_mode
         one = self.one_microbatch and rows == self.layout.rows
         return max(rank_peak(p.results.__getitem__, self.states[rank], rank, mode, p.depths[mode],
-                             p.peak_micro, p.blocks, rows, self.replicas, one) for rank in p.ranks)
+                             p.peak_microbatches, p.blocks, rows, self.replicas, one) for rank in p.ranks)
 
 
 def _piece(cfg: JobConfig, flags: dict[str, Any], world: int, spec: Any, args: Any, device_type: str
@@ -174,7 +182,7 @@ def _piece(cfg: JobConfig, flags: dict[str, Any], world: int, spec: Any, args: A
     piece = _Piece(flags, changed, dims, batch, args.n_layers / (dims.pp * stages),
                    default_ranks(world, dims.pp), stages, spec, args, device_type,
                    {mode: _depths(mode, option) for mode in AC_MODES})
-    piece.micro, piece.peak_micro = _microbatches(piece)
+    piece.timing_microbatches, piece.peak_microbatches = _microbatches(piece)
     return piece
 
 
@@ -189,12 +197,12 @@ def _microbatches(piece: _Piece) -> tuple[tuple[int, ...], dict[int, int]]:
     micro = tuple(sorted({min(per_rank, fill), min(per_rank, fill + (1 if pp == 1 else pp))}))
     if not all(piece.accepts(1, m) for m in micro):
         micro = (per_rank,)
-    peak_micro = {1: micro[0]}
+    peak_microbatches = {1: micro[0]}
     doubled = min(per_rank, 2) if pp == 1 else min(fill, per_rank // 2)
     # a second row per microbatch, where the trainer accepts it, gives the activations' growth
     if doubled >= 1 and piece.accepts(2, doubled):
-        peak_micro[2] = doubled
-    return micro, peak_micro
+        peak_microbatches[2] = doubled
+    return micro, peak_microbatches
 
 
 def _checked(cfg: JobConfig, spec: Any, args: Any, world: int, device_type: str) -> tuple[Any, int] | None:
@@ -222,7 +230,7 @@ def _plan(jobs: list[tuple[_Piece, Key]], workers: int) -> None:
     done = _run_tasks([piece.task(key) for piece, key in jobs], workers, keep_errors=True, start="fork")
     for (piece, key), result in zip(jobs, done, strict=True):
         if isinstance(result, BaseException):
-            piece.errors.setdefault(key[1], result)
+            piece.errors[key] = result
         else:
             piece.results[key] = result
 
@@ -231,7 +239,7 @@ def _sized_layouts(piece: _Piece, device: Device, flops_per_token: float, seq_le
                    speedups: dict[str, bool]) -> list[_Sized]:
     """Every HSDP split × AC mode × microbatch size of a piece the trainer accepts, timed."""
     d = piece.dims
-    per_rank = piece.global_batch // d.dp
+    per_rank = piece.per_rank
     out = []
     for replicas in sorted(r for r in piece.replicas if d.dp % r == 0):
         for mode in AC_MODES:
@@ -248,7 +256,7 @@ def _size(piece: _Piece, device: Device, flops_per_token: float, seq_len: int, r
           rows: int, speedups: dict[str, bool]) -> _Sized:
     """One layout of the piece, its step predicted from the collectives of its ranks' state."""
     d = piece.dims
-    per_rank = piece.global_batch // d.dp
+    per_rank = piece.per_rank
     microbatches = per_rank // rows
     degrees = {"pp": d.pp, "dp_replicate": replicas, "dp_shard": d.dp // replicas, "cp": d.cp, "tp": d.tp,
                "ep": d.ep}
@@ -259,11 +267,11 @@ def _size(piece: _Piece, device: Device, flops_per_token: float, seq_len: int, r
     facts = LayoutFacts(degrees, max(int(round(piece.blocks * piece.stages)), 1), mode,
                         piece.cfg.activation_checkpoint.selective_ac_option, **speedups)
     tokens = piece.global_batch * seq_len
-    bubble = pipeline_bubble(d.pp, piece.stages, microbatches)
+    bubble = closed_form_bubble(d.pp, piece.stages, microbatches)
     states, steps = {}, []
     for rank in piece.ranks:
-        state = rank_state(piece.results.__getitem__, rank, piece.blocks, piece.micro, microbatches,
-                           per_rank, d.pp, replicas)
+        state = rank_state(piece.results.__getitem__, rank, piece.blocks, piece.timing_microbatches,
+                           microbatches, per_rank, replicas)
         states[rank] = state
         steps.append(predict(flops_per_token * tokens / d.world_size, bubble, state.communication,
                              state.calls, tokens / d.world_size, facts, device.peak_tflops, device.links,
@@ -280,14 +288,19 @@ def _set_peak(layout: Layout, peak: int, device: Device) -> None:
 
 def _check_fastest(sized: list[_Sized], device: Device, top: int, workers: int, result: SearchResult) -> None:
     """Fastest first, plan each layout's peak and keep those that fit, until `top` of them do. A peak
-    grows with the rows per microbatch (as long as gradients accumulate over several microbatches):
-    where one row is too big, more rows are too, unplanned."""
+    grows with the rows per microbatch while gradients accumulate over several microbatches: where
+    fewer rows were too big, more are too, and their plans are skipped."""
     capacity = (device.memory_gib - device.reserve_gib) * 2**30
     too_big_rows: dict[tuple, int] = {}  # (piece, replicas, AC mode) → fewest rows found too big
 
-    def implied(s: _Sized) -> bool:
-        fewest = too_big_rows.get(s.group)
-        return fewest is not None and s.layout.rows >= fewest and not s.one_microbatch
+    def skipped(s: _Sized) -> bool:
+        """Too big as fewer rows were, or — its one-row plans done — as one row is."""
+        if s.one_microbatch:
+            return False
+        if s.layout.rows > 1 and s.group not in too_big_rows and not s.piece.missing(s.layout.ac_mode, 1) \
+                and not s.piece.failed(s.layout.ac_mode, 1) and s.peak(1) > capacity:
+            too_big_rows[s.group] = 1
+        return s.layout.rows > too_big_rows.get(s.group, s.layout.rows)
 
     for i, s in enumerate(sized):
         if len(result.ranked) >= top:
@@ -295,29 +308,29 @@ def _check_fastest(sized: list[_Sized], device: Device, top: int, workers: int, 
         lay, piece = s.layout, s.piece
         if s.floor() > capacity:  # the state alone does not fit: no plan can change that
             _set_peak(lay, s.floor(), device)
-            lay.peak_is_floor = True
+            lay.peak_is_state_floor = True
+            result.floored += 1
             result.too_big.append(lay)
             continue
-        while s.needs() and lay.ac_mode not in piece.errors and not implied(s):
-            jobs = _next_jobs(sized[i:], capacity, workers, implied)
+        while s.needs() and not piece.failed(lay.ac_mode, lay.rows) and not skipped(s):
+            jobs = _next_jobs(sized[i:], capacity, workers, skipped)
+            if not jobs:
+                break
             _plan(jobs, workers)
             result.planned += len(jobs)
-            if lay.rows > 1 and not s.one_microbatch and not piece.missing(lay.ac_mode, 1) and \
-                    lay.ac_mode not in piece.errors and s.peak(1) > capacity:
-                too_big_rows[s.group] = 1
-        if lay.ac_mode in piece.errors:
+        if piece.failed(lay.ac_mode, lay.rows):
             continue
-        if implied(s):
-            result.implied += 1
+        if s.needs():  # skipped
+            result.too_big_by_rows += 1
             continue
         result.checked += 1
         _set_peak(lay, s.peak(lay.rows), device)
         (result.ranked if lay.fits else result.too_big).append(lay)
-        if not lay.fits and not s.one_microbatch:
+        if not lay.fits and not s.one_microbatch and (lay.rows == 1 or s.peak(lay.rows) >= s.peak(1)):
             too_big_rows[s.group] = min(lay.rows, too_big_rows.get(s.group, lay.rows))
 
 
-def _next_jobs(sized: list[_Sized], capacity: float, workers: int, implied: Callable[[_Sized], bool]
+def _next_jobs(sized: list[_Sized], capacity: float, workers: int, skipped: Callable[[_Sized], bool]
                ) -> list[tuple[_Piece, Key]]:
     """The plans the next layouts in line need — one row per microbatch first, which may show more
     rows too big — the first one's, and the following ones' until every worker has a plan."""
@@ -325,7 +338,7 @@ def _next_jobs(sized: list[_Sized], capacity: float, workers: int, implied: Call
     for s in sized:
         if jobs and len(jobs) >= workers:
             break
-        if s.layout.ac_mode in s.piece.errors or s.floor() > capacity or implied(s):
+        if s.piece.failed(s.layout.ac_mode, s.layout.rows) or s.floor() > capacity or skipped(s):
             continue
         gate = s.piece.missing(s.layout.ac_mode, 1) if not s.one_microbatch else []
         for key in gate or s.needs():
@@ -356,13 +369,14 @@ def search(cfg: JobConfig, world: int, device: Device, *, device_type: str = "cu
     result.planned = len(jobs)
     flops_per_token = spec.flops_per_token_fn(args, count_parameters(spec, args), t.seq_len)
     speedups = {"compile": cfg.compile.enable, "float8": float8}
-    sized = [s for piece in pieces if "none" not in piece.errors
+    sized = [s for piece in pieces if all(key in piece.results for key in piece.base())
              for s in _sized_layouts(piece, device, flops_per_token, t.seq_len, speedups)]
     sized.sort(key=lambda s: -s.layout.tokens_per_second_per_device)
     result.sized = len(sized)
     _check_fastest(sized, device, top, workers, result)
     for piece in pieces:
-        for mode, error in piece.errors.items():
+        for mode in dict.fromkeys(key[1] for key in piece.errors):
+            error = next(e for key, e in piece.errors.items() if key[1] == mode)
             result.failed.append(f"{_describe_piece(piece)}, AC {mode}: {type(error).__name__}: {error}")
     if float8:
         for lay in result.ranked + result.too_big:

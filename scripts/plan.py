@@ -57,7 +57,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--search", action="store_true",
                     help="search the layouts of the world (the config's layout is ignored; its global batch "
                          "and sequence length are kept) and print the fastest that fit")
-    ap.add_argument("--top", type=int, default=10, help="--search: how many layouts to print")
+    ap.add_argument("--top", type=int, default=10,
+                    help="--search: how many layouts that fit to find and print (the search plans the peaks "
+                         "of the fastest layouts until it has found them)")
     return ap.parse_known_args(argv)
 
 
@@ -98,6 +100,8 @@ def main(argv: list[str]) -> int:
         device, device_type = choose_device(args)
         cfg = load_config(rest)
         if args.search:
+            if args.top < 1:
+                raise KilnError("--top must be 1 or more")
             if args.mfu:
                 device = dataclasses.replace(device, efficiency=dataclasses.replace(device.efficiency,
                                                                                     compute=args.mfu))
