@@ -25,7 +25,7 @@ SEQ_8K = ["--training.seq_len", "8192"]
 
 # name → (what, world, arguments): the global batches of TorchTitan's Llama 3 tables (8B: 2 rows per
 # GPU; 70B: 512 on 256 GPUs; 405B: 256 on 512), the worked example of docs/planning.md (70B on 64),
-# and the MoE configs' own batches.
+# DeepSeek-V3's config batch, and 256 sequences for Qwen3 30B-A3B (its config sets none).
 ROWS = {
     "8b": ("Llama 3 8B, 8 H100", 8, ["--config", "llama3_8b", *SEQ_8K, "--training.global_batch_size", "16"]),
     "70b_64": ("Llama 3 70B, 64 H100", 64, ["--config", "llama3_70b", *SEQ_8K,
@@ -43,7 +43,7 @@ ROWS = {
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default=",".join(ROWS))
-    p.add_argument("--top", type=int, default=3)
+    p.add_argument("--top", type=int, default=10, help="layouts that fit to find, as plan.py --top")
     opts = p.parse_args()
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
