@@ -180,7 +180,8 @@ def _microbatch_problems(rows: int, pp: int, options: ParallelOptions) -> list[s
     if rows % size:
         return [f"the rows per rank and step ({rows} = global_batch_size / dp) are not divisible by "
                 f"parallelism.pipeline_parallel_microbatch_size {size}"]
-    if options.pp_schedule != "GPipe" and rows // size < pp:
+    # GPipe and LoopedBFS run every forward, then every backward: any count of microbatches will do
+    if options.pp_schedule not in ("GPipe", "LoopedBFS") and rows // size < pp:
         return [f"schedule {options.pp_schedule} needs at least as many microbatches as pipeline ranks "
                 f"({pp}); a step gives {rows // size} ({rows} rows / microbatch size {size})"]
     return []

@@ -11,7 +11,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
@@ -247,7 +247,8 @@ def _run_tasks(tasks: list[tuple], workers: int, *, keep_errors: bool = False, s
             process.start()
             child.close()
             running.append((index, process, parent))
-        index, process, parent = running.pop(0)
+        ready = wait([parent for _, _, parent in running])  # whichever ends first: plans differ in length
+        index, process, parent = running.pop(next(i for i, r in enumerate(running) if r[2] in ready))
         try:
             status, value = parent.recv()
         except EOFError:

@@ -3,12 +3,14 @@
 Every layout planning/layout_space.py enumerates is checked as the trainer checks it. Each distinct
 one (its degrees: HSDP splits, AC modes and microbatch sizes are derived from it) is planned on fake
 tensors without activation checkpointing, cut to one and two blocks per pipeline stage and to two
-short counts of microbatches per step, and scaled to the model's depth and the run's microbatches
-(planning/depth_scaling.py). Those plans give every sized layout's collectives and so its predicted
-step, which does not depend on its memory: all are ranked before any peak is known. Then, fastest
-first, each one's peak is planned (its AC mode at one and two rows per microbatch) until `top` of
-them fit. Only the leaders' peaks are planned; the order is the same. Not planned at all: a layout
-whose state alone exceeds the device, and one whose fewer rows per microbatch were already too big.
+short counts of microbatches per step (a pipeline's run by GPipe or LoopedBFS, which take fewer
+microbatches than ranks and send what the layout's schedule sends), and scaled to the model's depth
+and the run's microbatches (planning/depth_scaling.py). Those plans give every sized layout's
+collectives and so its predicted step, which does not depend on its memory: all are ranked before
+any peak is known. Then, fastest first, each one's peak is planned (its AC mode at one and two rows
+per microbatch) until `top` of them fit. Only the leaders' peaks are planned; the order is the same.
+Not planned at all: a layout whose state alone exceeds the device, and one whose fewer rows per
+microbatch were already too big.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from planning.plan import AC_MODES, _run_tasks, count_parameters, default_ranks
 from planning.rank_plan import RankPlan
 from planning.step_time import LayoutFacts, StepTime, predict
 from training.assembly import build_layout, load_model_family
+
+PlanKey = tuple[Key, bool]  # a plan and whether it times the collectives (a pipeline's timing schedule)
 
 
 @dataclass
@@ -101,43 +105,63 @@ class _Piece:
     timing_microbatches: tuple[int, ...] = (1,)  # microbatches per step the collectives are planned at
     peak_microbatches: dict[int, int] = field(default_factory=dict)  # rows per microbatch → microbatches
     replicas: set[int] = field(default_factory=lambda: {1})  # HSDP replica counts derived from it
-    results: dict[Key, RankPlan] = field(default_factory=dict)
-    errors: dict[Key, BaseException] = field(default_factory=dict)  # plans that raised
+    results: dict[PlanKey, RankPlan] = field(default_factory=dict)
+    errors: dict[PlanKey, BaseException] = field(default_factory=dict)  # plans that raised
+
+    @property
+    def timing_schedule(self) -> str | None:
+        """The schedule the collectives are planned with: the layout's stages per rank, every forward
+        then every backward (GPipe, LoopedBFS), which runs any count of microbatches — fewer than
+        ranks, unlike 1F1B — and sends and gathers what the layout's schedule does (the order
+        differs, and so the peak, which is planned with the layout's own)."""
+        if self.dims.pp == 1:
+            return None
+        return "GPipe" if self.stages == 1 else "LoopedBFS"
+
+    def plan_key(self, key: Key, timing: bool) -> PlanKey:
+        return key, timing and self.timing_schedule is not None
+
+    def lookup(self, timing: bool) -> Callable[[Key], RankPlan]:
+        return lambda key: self.results[self.plan_key(key, timing)]
 
     @property
     def per_rank(self) -> int:
         return self.global_batch // self.dims.dp
 
-    def config(self, rows: int, microbatches: int) -> JobConfig:
-        """The layout at `rows` per microbatch and `microbatches` per step (a plan's batch, not the run's)."""
-        return configured(self.cfg, {_rows_key(self.dims.pp): rows,
-                                     "training.global_batch_size": rows * microbatches * self.dims.dp})
+    def config(self, rows: int, microbatches: int, timing: bool = False) -> JobConfig:
+        """The layout at `rows` per microbatch and `microbatches` per step (a plan's batch, not the
+        run's), with the timing schedule for a timing plan."""
+        changes = {_rows_key(self.dims.pp): rows,
+                   "training.global_batch_size": rows * microbatches * self.dims.dp}
+        if timing and self.timing_schedule is not None:
+            changes["parallelism.pipeline_parallel_schedule"] = self.timing_schedule
+        return configured(self.cfg, changes)
 
-    def accepts(self, rows: int, microbatches: int) -> bool:
-        return _checked(self.config(rows, microbatches), self.spec, self.args, self.dims.world_size,
+    def accepts(self, rows: int, microbatches: int, timing: bool = False) -> bool:
+        return _checked(self.config(rows, microbatches, timing), self.spec, self.args, self.dims.world_size,
                         self.device_type) is not None
 
-    def base(self) -> list[Key]:
+    def base(self) -> list[PlanKey]:
         """The plans every layout of the piece is timed from: no AC, one row, each planned count."""
-        return [(rank, "none", k, 1, m) for m in self.timing_microbatches for k in self.depths["none"]
-                for rank in self.ranks]
+        return [self.plan_key((rank, "none", k, 1, m), True) for m in self.timing_microbatches
+                for k in self.depths["none"] for rank in self.ranks]
 
-    def keys(self, mode: str, rows: int) -> list[Key]:
+    def keys(self, mode: str, rows: int) -> list[PlanKey]:
         """The plans a layout of this piece in `mode` at `rows` per microbatch is sized from."""
         counts = [r for r in self.peak_microbatches if r == 1 or rows > 1]
-        return [(rank, mode, k, r, self.peak_microbatches[r]) for r in counts for k in self.depths[mode]
-                for rank in self.ranks]
+        return [self.plan_key((rank, mode, k, r, self.peak_microbatches[r]), False) for r in counts
+                for k in self.depths[mode] for rank in self.ranks]
 
-    def missing(self, mode: str, rows: int) -> list[Key]:
+    def missing(self, mode: str, rows: int) -> list[PlanKey]:
         return [k for k in self.keys(mode, rows) if k not in self.results and k not in self.errors]
 
     def failed(self, mode: str, rows: int) -> bool:
         return any(k in self.errors for k in self.keys(mode, rows))
 
-    def task(self, key: Key) -> tuple:
-        rank, mode, k, rows, microbatches = key
-        return (self.config(rows, microbatches), self.dims.world_size, rank, self.device_type, mode, True,
-                self.dims.pp * self.stages * k)
+    def task(self, key: PlanKey) -> tuple:
+        (rank, mode, k, rows, microbatches), timing = key
+        return (self.config(rows, microbatches, timing), self.dims.world_size, rank, self.device_type, mode,
+                True, self.dims.pp * self.stages * k)
 
 
 @dataclass
@@ -164,7 +188,7 @@ class _Sized:
         """The fullest rank's peak in this layout's AC mode and HSDP split at `rows` per microbatch."""
         p, mode = self.piece, self.layout.ac_mode
         one = self.one_microbatch and rows == self.layout.rows
-        return max(rank_peak(p.results.__getitem__, self.states[rank], rank, mode, p.depths[mode],
+        return max(rank_peak(p.lookup(False), self.states[rank], rank, mode, p.depths[mode],
                              p.peak_microbatches, p.blocks, rows, self.replicas, one) for rank in p.ranks)
 
 
@@ -189,15 +213,17 @@ def _piece(cfg: JobConfig, flags: dict[str, Any], world: int, spec: Any, args: A
 def _microbatches(piece: _Piece) -> tuple[tuple[int, ...], dict[int, int]]:
     """(the microbatches per step a piece's collectives are planned at, rows per microbatch → the
     microbatches its peaks are planned at). A step's collectives are linear in its microbatches, so
-    two counts give them at any count; the peak needs enough to fill the pipeline (pp × stages per
-    rank) or, without one, to accumulate gradients (2). A rank's real count, where smaller, is used
-    as it is; a cut batch the trainer refuses falls back to the real one."""
+    two counts give them at any count: without a pipeline 2 and 3, with one (its timing schedule)
+    1 and 2. The peak needs enough to fill the pipeline (pp × stages per rank) or, without one, to
+    accumulate gradients (2). A rank's real count, where smaller, is used as it is; a cut batch the
+    trainer refuses falls back to the real one."""
     pp, per_rank = piece.dims.pp, piece.per_rank
     fill = 2 if pp == 1 else pp * piece.stages
-    micro = tuple(sorted({min(per_rank, fill), min(per_rank, fill + (1 if pp == 1 else pp))}))
-    if not all(piece.accepts(1, m) for m in micro):
+    first = 2 if pp == 1 else 1
+    micro = tuple(sorted({min(per_rank, first), min(per_rank, first + 1)}))
+    if not all(piece.accepts(1, m, timing=True) for m in micro):
         micro = (per_rank,)
-    peak_microbatches = {1: micro[0]}
+    peak_microbatches = {1: min(per_rank, fill) if piece.accepts(1, min(per_rank, fill)) else per_rank}
     doubled = min(per_rank, 2) if pp == 1 else min(fill, per_rank // 2)
     # a second row per microbatch, where the trainer accepts it, gives the activations' growth
     if doubled >= 1 and piece.accepts(2, doubled):
@@ -225,7 +251,7 @@ def _rows_key(pp: int) -> str:
     return "parallelism.pipeline_parallel_microbatch_size" if pp > 1 else "training.local_batch_size"
 
 
-def _plan(jobs: list[tuple[_Piece, Key]], workers: int) -> None:
+def _plan(jobs: list[tuple[_Piece, PlanKey]], workers: int) -> None:
     """Plan the keys side by side; a plan that raises marks its piece's AC mode failed."""
     done = _run_tasks([piece.task(key) for piece, key in jobs], workers, keep_errors=True, start="fork")
     for (piece, key), result in zip(jobs, done, strict=True):
@@ -272,7 +298,7 @@ def _size(piece: _Piece, device: Device, flops_per_token: float, seq_len: int, r
     bubble = closed_form_bubble(d.pp, piece.stages, microbatches)
     states, steps = {}, []
     for rank in piece.ranks:
-        state = rank_state(piece.results.__getitem__, rank, piece.blocks, piece.timing_microbatches,
+        state = rank_state(piece.lookup(True), rank, piece.blocks, piece.timing_microbatches,
                            microbatches, per_rank, replicas)
         states[rank] = state
         steps.append(predict(flops_per_token * tokens / d.world_size, bubble, state.communication,
@@ -333,10 +359,10 @@ def _check_fastest(sized: list[_Sized], device: Device, top: int, workers: int, 
 
 
 def _next_jobs(sized: list[_Sized], capacity: float, workers: int, skipped: Callable[[_Sized], bool]
-               ) -> list[tuple[_Piece, Key]]:
+               ) -> list[tuple[_Piece, PlanKey]]:
     """The plans the next layouts in line need — one row per microbatch first, which may show more
     rows too big — the first one's, and the following ones' until every worker has a plan."""
-    jobs: dict[tuple[int, Key], tuple[_Piece, Key]] = {}
+    jobs: dict[tuple[int, PlanKey], tuple[_Piece, PlanKey]] = {}
     for s in sized:
         if jobs and len(jobs) >= workers:
             break
@@ -377,8 +403,8 @@ def search(cfg: JobConfig, world: int, device: Device, *, device_type: str = "cu
     result.sized = len(sized)
     _check_fastest(sized, device, top, workers, result)
     for piece in pieces:
-        for mode in dict.fromkeys(key[1] for key in piece.errors):
-            error = next(e for key, e in piece.errors.items() if key[1] == mode)
+        for mode in dict.fromkeys(key[1] for key, _ in piece.errors):
+            error = next(e for (key, _), e in piece.errors.items() if key[1] == mode)
             result.failed.append(f"{_describe_piece(piece)}, AC {mode}: {type(error).__name__}: {error}")
     if float8:
         for lay in result.ranked + result.too_big:
