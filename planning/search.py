@@ -119,9 +119,11 @@ class _Piece:
         return "GPipe" if self.stages == 1 else "LoopedBFS"
 
     def plan_key(self, key: Key, timing: bool) -> PlanKey:
+        """A plan's key; without a pipeline, a timing plan is the plain plan of the same key."""
         return key, timing and self.timing_schedule is not None
 
     def lookup(self, timing: bool) -> Callable[[Key], RankPlan]:
+        """The finished timing (or peak) plans by depth_scaling's keys."""
         return lambda key: self.results[self.plan_key(key, timing)]
 
     @property
