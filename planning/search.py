@@ -183,7 +183,7 @@ class _Sized:
     def group(self) -> tuple:
         return id(self.piece), self.replicas, self.layout.ac_mode
 
-    def needs(self) -> list[Key]:
+    def needs(self) -> list[PlanKey]:
         return self.piece.missing(self.layout.ac_mode, self.layout.rows)
 
     def peak(self, rows: int) -> int:
@@ -405,9 +405,7 @@ def search(cfg: JobConfig, world: int, device: Device, *, device_type: str = "cu
     result.sized = len(sized)
     _check_fastest(sized, device, top, workers, result)
     for piece in pieces:
-        for mode in dict.fromkeys(key[1] for key, _ in piece.errors):
-            error = next(e for (key, _), e in piece.errors.items() if key[1] == mode)
-            result.failed.append(f"{_describe_piece(piece)}, AC {mode}: {type(error).__name__}: {error}")
+        result.failed += _failures(piece)
     if float8:
         for lay in result.ranked + result.too_big:
             lay.flags["model.converters"] = "float8"
@@ -437,6 +435,16 @@ def _pieces(base: JobConfig, flags: list[dict[str, Any]], world: int, spec: Any,
             pieces[key] = piece
         pieces[key].replicas.add(f["parallelism.data_parallel_replicate_degree"])
     return list(pieces.values())
+
+
+def _failures(piece: _Piece) -> list[str]:
+    """The first error of each AC mode's plans that raised (a timing plan's named by its schedule)."""
+    first: dict[tuple[str, bool], BaseException] = {}
+    for ((_, mode, *_), timing), error in piece.errors.items():
+        first.setdefault((mode, timing), error)
+    timed = f" (timed with {piece.timing_schedule})"
+    return [f"{_describe_piece(piece)}{timed if timing else ''}, AC {mode}: {type(error).__name__}: {error}"
+            for (mode, timing), error in first.items()]
 
 
 def _describe_piece(piece: _Piece) -> str:

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers.runs import REPO
 
 # Five blocks: the search plans one and two per stage and scales to 5 (2.5 per stage under PP 2).
@@ -56,6 +58,25 @@ def test_search_ranks_the_layouts_its_best_equal_full_plans_and_a_short_search_f
     assert [r["layout"] for r in leaders["ranked"]] == [r["layout"] for r in expected]
     assert [r["peak_gib"] for r in leaders["ranked"]] == [r["peak_gib"] for r in expected]
     assert leaders["planned"] < result["planned"] and leaders["too_big_by_rows"] > 0
+
+
+@pytest.mark.parametrize("schedule,timed_with", [("1F1B", "GPipe"), ("Interleaved1F1B", "LoopedBFS")])
+def test_a_pipeline_is_timed_with_a_schedule_that_sends_what_its_own_does(schedule, timed_with):
+    """The search times a pipeline's collectives with GPipe or LoopedBFS (any count of microbatches):
+    at a full pipeline (4 microbatches), each rank's bytes and calls equal its own schedule's."""
+    plans = []
+    for name in (schedule, timed_with):
+        proc = plan("--json", "--no-ac-modes", "--world-size", "2", *MODEL, "--training.global_batch_size=4",
+                    "--training.local_batch_size=1", "--parallelism.pipeline_parallel_degree=2",
+                    "--parallelism.pipeline_parallel_microbatch_size=1",
+                    f"--parallelism.pipeline_parallel_schedule={name}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        plans.append(json.loads(proc.stdout)["ranks"])
+    own, timed = plans
+    assert [r["rank"] for r in own] == [r["rank"] for r in timed] == [0, 1]
+    for a, b in zip(own, timed, strict=True):
+        assert a["communication"]["pp"]["send/recv"] > 0 and a["calls"] == b["calls"]
+        assert a["communication"] == b["communication"]
 
 
 def test_search_prints_the_fastest_and_how_to_run_it():

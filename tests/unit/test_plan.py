@@ -1,5 +1,6 @@
 """The planner's memory accounting on one process: the measured CPU peak sees frees on other threads,
-and a reduction into another dtype counts its copy of the input on CPU. The planner against real
+a reduction into another dtype counts its copy of the input on CPU, and the plan runner keeps each
+result in its task's place. The planner against real
 runs, and its command line, are tests/e2e/test_plan_runs.py."""
 
 import time
@@ -56,3 +57,17 @@ def test_a_reduction_into_another_dtype_counts_its_copy_of_the_input_on_cpu(devi
             torch.linalg.vector_norm(grad, 2)  # no cast: nothing beyond its output
     copy = (1 << 20) * 8 if device_type == "cpu" else 0
     assert tracker.peak == copy + 8
+
+
+def _sleep_then_name(task: tuple) -> str:
+    """Stands for a plan: sleeps task[0] seconds, returns task[1]."""
+    time.sleep(task[0])
+    return task[1]
+
+
+def test_the_plan_runner_puts_each_result_in_its_task_place_whatever_ends_first(monkeypatch):
+    import planning.plan as plan_module
+
+    monkeypatch.setattr(plan_module, "_plan_task", _sleep_then_name)  # forked children see it
+    tasks = [(0.5, "slow"), (0.0, "a"), (0.0, "b"), (0.0, "c")]
+    assert plan_module._run_tasks(tasks, 2, keep_errors=True, start="fork") == ["slow", "a", "b", "c"]
