@@ -1,7 +1,7 @@
 """The planner's memory accounting on one process: the measured CPU peak sees frees on other threads,
 a reduction into another dtype counts its copy of the input on CPU, and the plan runner keeps each
-result in its task's place. The planner against real
-runs, and its command line, are tests/e2e/test_plan_runs.py."""
+result in its task's place. The planner against real runs, and its command line, are
+tests/e2e/test_plan_runs.py."""
 
 import time
 
