@@ -163,6 +163,13 @@ def _pp_problems(dims: ParallelDims, model: ModelShape, options: ParallelOptions
         out.append(str(e))
     if global_batch is not None:
         out += _microbatch_problems(global_batch // dims.dp, pp, options)
+    if dims.ep > 1 and options.ac_mode == "selective" and options.ac_option == "op":
+        # torch's selective checkpoint replays a block's ops in backward and requires the same ones; with
+        # the experts FSDP-wrapped inside the block and kept gathered across microbatches, it meets
+        # FSDP's profiler ops it did not record and fails in the first backward
+        out.append("per-op selective activation checkpointing (selective_ac_option 'op') cannot run expert "
+                   "parallel under pipeline parallel: its backward replay fails on the experts' FSDP; use "
+                   "selective_ac_option N (every N-th block) or activation_checkpoint.mode full")
     return out
 
 

@@ -165,3 +165,12 @@ def test_llama_tp_must_divide_the_feed_forward() -> None:
     problems = spec.check_fn(args, dims(3, shard=1, tp=3))
     assert len(problems) == 1 and "feed-forward hidden size 256" in problems[0], problems
     assert spec.check_fn(dataclasses.replace(args, multiple_of=24), dims(3, shard=1, tp=3)) == []
+
+
+def test_per_op_selective_ac_is_refused_with_expert_parallel_under_a_pipeline() -> None:
+    shape = ModelShape(n_heads=4, n_kv_heads=4, n_layers=4, num_experts=8)
+    per_op = ParallelOptions(seq_len=64, ac_mode="selective", ac_option="op")
+    with pytest.raises(KilnError, match="selective_ac_option 'op'.* expert parallel under pipeline parallel"):
+        dims(8, pp=2, ep=2).check_layout(shape, per_op)
+    dims(8, pp=2, ep=2).check_layout(shape, ParallelOptions(seq_len=64, ac_mode="selective", ac_option="2"))
+    dims(8, ep=2).check_layout(shape, per_op)  # without a pipeline it runs
