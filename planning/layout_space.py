@@ -54,6 +54,9 @@ def layout_flags(tp: int, pp: int, cp: int, ep: int, replicas: int, shard: int, 
     if pp > 1:
         flags[p + "pipeline_parallel_schedule"] = SCHEDULES[stages]
         flags[p + "pipeline_parallel_microbatch_size"] = 1
+        # the schedule takes a step's rows whole; the loader's rows per microbatch, as planned, need
+        # only divide them (a config's may not)
+        flags["training.local_batch_size"] = 1
     return flags
 
 

@@ -291,8 +291,6 @@ def _size(piece: _Piece, device: Device, flops_per_token: float, seq_len: int, r
     flags = piece.flags | {"parallelism.data_parallel_replicate_degree": replicas,
                            "parallelism.data_parallel_shard_degree": d.dp // replicas,
                            "activation_checkpoint.mode": mode, _rows_key(d.pp): rows}
-    if d.pp > 1:  # the schedule takes a step's rows whole; the loader's rows per microbatch, as planned,
-        flags["training.local_batch_size"] = 1  # need only divide them (a config's may not)
     layout = Layout(flags, degrees, mode, rows)
     facts = LayoutFacts(degrees, max(int(round(piece.blocks * piece.stages)), 1), mode,
                         piece.cfg.activation_checkpoint.selective_ac_option, **speedups)
