@@ -4,8 +4,9 @@ machine (every plan on fake tensors, as many side by side as there are cores).
 
     python benchmarks/search_real_sizes.py [--rows 8b,70b_64,...] [--top 3]
 
-Prints one table row per search: the layouts enumerated, sized and ranked, checked against memory,
-the fake plans run, the seconds, and the fastest layout that fits with its predicted tokens/s/GPU.
+Prints one table row per search: the layouts enumerated, refused, distinct and timed, sized and
+ranked, checked against memory, the fake plans run, the seconds, and the fastest layout that fits
+with its predicted tokens/s/GPU.
 """
 
 import argparse
@@ -49,8 +50,8 @@ def main() -> None:
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     print(f"{os.cpu_count()} cores; the best of each search, on H100 80GB\n")
-    print("| search | enumerated | refused | sized | checked | fake plans | seconds | best layout | "
-          "tokens/s/GPU | peak GiB |\n|---|---:|---:|---:|---:|---:|---:|---|---:|---:|", flush=True)
+    print("| search | enumerated | refused | distinct | timed | sized | checked | fake plans | seconds | "
+          "best layout | tokens/s/GPU | peak GiB |\n" + "|---" + "|---:" * 8 + "|---|---:|---:|", flush=True)
     for name in opts.rows.split(","):
         what, world, args = ROWS[name]
         r = search(load_config(args), world, DEVICES["h100"], top=opts.top)
@@ -58,8 +59,9 @@ def main() -> None:
         layout = best.describe() if best else "nothing fits"
         speed = f"{best.tokens_per_second_per_device:,.0f}" if best else "–"
         peak = f"{best.peak / 2**30:.1f}" if best else "–"
-        print(f"| {what} | {r.considered} | {r.refused} | {r.sized} | {r.checked} | {r.planned} | "
-              f"{r.seconds:.0f} | {layout} | {speed} | {peak} |", flush=True)
+        print(f"| {what} | {r.considered} | {r.refused} | {r.distinct} | {r.distinct - r.untimed} | "
+              f"{r.sized} | {r.checked} | {r.planned} | {r.seconds:.0f} | {layout} | {speed} | {peak} |",
+              flush=True)
         for failure in r.failed:
             print(f"  plan failed: {failure}", file=sys.stderr)
 

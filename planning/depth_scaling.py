@@ -25,22 +25,32 @@ def linear(one: float, two: float, at: float, points: tuple[float, float] = (1, 
     return one + (two - one) * (at - points[0]) / (points[1] - points[0])
 
 
-def at_blocks(one: RankPlan, two: RankPlan, blocks: float) -> RankPlan:
+def at_blocks(one: RankPlan, two: RankPlan, blocks: float, own: RankPlan | None = None) -> RankPlan:
     """A rank planned at one and two blocks per stage, at `blocks` per stage: its state, buffers,
-    collectives and calls (the peak is rank_peak's)."""
-    def dim_map(a: dict, b: dict) -> dict:
-        return {dim: {kind: int(linear(a.get(dim, {}).get(kind, 0), b.get(dim, {}).get(kind, 0), blocks))
-                      for kind in set(a.get(dim, {})) | set(b.get(dim, {}))} for dim in set(a) | set(b)}
+    collectives and calls (the peak is rank_peak's). With `own`, another rank's plan at one block:
+    that rank at `blocks`, growing by what a block adds to the first (one block is like another,
+    whichever stage holds it)."""
+    own = own or one
 
-    def sizes(a: dict, b: dict) -> dict:
-        return {k: int(linear(a.get(k, 0), b.get(k, 0), blocks)) for k in set(a) | set(b)}
+    def grown(at: float, a: float, b: float) -> int:
+        return int(at + (b - a) * (blocks - 1))
 
-    return dataclasses.replace(one, parameters=sizes(one.parameters, two.parameters),
-                               gradients=sizes(one.gradients, two.gradients),
-                               optimizer=sizes(one.optimizer, two.optimizer),
-                               buffers=int(linear(one.buffers, two.buffers, blocks)), peak_breakdown={},
-                               communication=dim_map(one.communication, two.communication),
-                               calls=dim_map(one.calls, two.calls))
+    def dim_map(at: dict, a: dict, b: dict) -> dict:
+        dims = set(at) | set(a) | set(b)
+        return {dim: {kind: grown(at.get(dim, {}).get(kind, 0), a.get(dim, {}).get(kind, 0),
+                                  b.get(dim, {}).get(kind, 0))
+                      for kind in set(at.get(dim, {})) | set(a.get(dim, {})) | set(b.get(dim, {}))}
+                for dim in dims}
+
+    def sizes(at: dict, a: dict, b: dict) -> dict:
+        return {k: grown(at.get(k, 0), a.get(k, 0), b.get(k, 0)) for k in set(at) | set(a) | set(b)}
+
+    return dataclasses.replace(own, parameters=sizes(own.parameters, one.parameters, two.parameters),
+                               gradients=sizes(own.gradients, one.gradients, two.gradients),
+                               optimizer=sizes(own.optimizer, one.optimizer, two.optimizer),
+                               buffers=grown(own.buffers, one.buffers, two.buffers), peak_breakdown={},
+                               communication=dim_map(own.communication, one.communication, two.communication),
+                               calls=dim_map(own.calls, one.calls, two.calls))
 
 
 def held(plan: RankPlan) -> int:
@@ -50,12 +60,14 @@ def held(plan: RankPlan) -> int:
 
 
 def rank_state(plan_of: Lookup, rank: int, blocks: float, planned: tuple[int, ...], microbatches: int,
-               per_rank: int, replicas: int) -> RankPlan:
+               per_rank: int, replicas: int, first: int | None = None) -> RankPlan:
     """One rank at `blocks` per stage, `microbatches` per step of `per_rank` rows, `replicas` HSDP
     replicas: its state, collectives and calls, from its plans without activation checkpointing at
-    one row per microbatch and the `planned` microbatches per step. No peak."""
-    at = [at_blocks(plan_of((rank, "none", 1, 1, m)), plan_of((rank, "none", 2, 1, m)), blocks)
-          for m in planned]
+    one row per microbatch and the `planned` microbatches per step (at two blocks per stage only
+    rank `first`'s, when given: a block adds the same to every rank). No peak."""
+    slope = rank if first is None else first
+    at = [at_blocks(plan_of((slope, "none", 1, 1, m)), plan_of((slope, "none", 2, 1, m)), blocks,
+                    plan_of((rank, "none", 1, 1, m))) for m in planned]
     if len(at) == 2:
         plan = _at_microbatches(at[0], at[1], planned, microbatches, per_rank)
     else:  # planned at one count: the collectives that repeat per microbatch scale with them

@@ -65,6 +65,22 @@ def one_f_one_b_order(num_stages: int, n_microbatches: int) -> dict[int, list[tu
     return order
 
 
+def forwards_before_first_backward(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> int:
+    """The forwards (of a stage and microbatch) the first rank runs before its first backward, each
+    still holding its activations then. 1F1B: min(n, pp), as above. Interleaved1F1B: torch's warm-up,
+    (v − 1) rounds of microbatches plus two per later rank, at most v·n, and the forward its steady
+    state starts with (tests/unit/test_pipeline.py holds both to torch's own orders). Other
+    schedules: 1, the least."""
+    if schedule == "1F1B":
+        return min(microbatches, pp)
+    if schedule == "Interleaved1F1B":
+        rounds = max(1, microbatches // pp)
+        warmup = min((stages_per_rank - 1) * (microbatches // rounds) + 2 * (pp - 1),
+                     stages_per_rank * microbatches)
+        return min(warmup + 1, stages_per_rank * microbatches)
+    return 1
+
+
 def schedule_bubble(schedule: object, num_stages: int) -> BubbleResult:
     """The bubble of a built torch schedule (its own order; 1F1B's from its runtime rule)."""
     if type(schedule).__name__ == "Schedule1F1B":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,8 @@ class RankPlan:
     calls: dict[str, dict[str, int]]  # mesh dim → kind → collectives per step
     bubble: float | None = None  # pipeline idle fraction (None without PP)
     moe_layers: int = 0  # layers routed by the balanced assumption
+    forward_keeps: int = 0  # bytes a stage's second forward left alive for its backward (the least
+    # over this rank's stages; 0 below two microbatches): what each forward in flight holds
     seconds: float = 0.0  # how long planning this rank took
     ac_peaks: dict[str, int] = field(default_factory=dict)  # peak per activation-checkpoint mode
 
@@ -191,12 +194,12 @@ def _probe_stage(spec: ModelSpec, args: Any, dims: Any, options: ParallelOptions
     return probe
 
 
-def _stage_shapes(probe: nn.Module, built: ModelParts, rows: int, seq: int):
+def _stage_shapes(probe: nn.Module, built: ModelParts, rows: int, seq: int, device_type: str):
     """Static example inputs/outputs (and gradients) per pipeline stage, in fake mode: the probe's
     output between stages, the last stage's own forward for its output."""
     allocate_fake(probe)
     probe.init_buffers("cpu")
-    balance_routing([probe])
+    balance_routing([probe], device_type)
     tokens = torch.zeros(rows, seq, dtype=torch.long)
     with torch.no_grad():
         hidden = probe(tokens)
@@ -246,7 +249,8 @@ def plan_rank(cfg: JobConfig, spec: ModelSpec, args: Any, options: ParallelOptio
         probe = _probe_stage(spec, args, dims, build_options) if dims.pp > 1 else None
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
-            shapes = (_stage_shapes(probe, built, options.pp_microbatch_size, cfg.training.seq_len // dims.cp)
+            shapes = (_stage_shapes(probe, built, options.pp_microbatch_size, cfg.training.seq_len // dims.cp,
+                                    device_type)
                       if probe is not None else None)
             tracker = StepTracker(fake, mesh_group_names(dims), device_type)
             with tracker:
@@ -275,7 +279,7 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
     for part in parts:
         fsdp_lazy_init(part)
     tracker.category = "activations and temporaries"
-    moe = balance_routing(parts)
+    moe = balance_routing(parts, device_type)
     optimizers, schedulers = (build_optimizers(cfg, built, device_type, wrap=LocalOptimizer) if with_optimizer
                               else ([], []))
     grads: dict[str, int] = {}
@@ -289,8 +293,10 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
     for opt in optimizers:
         opt.make_state()
     tracker.reset_peak()
+    growth = _forward_growth(parts, tracker)
     step(_microbatches(cfg, dims, global_batch, args.vocab_size))
     tracker.finish()
+    second_forwards = [kept[1] for kept in growth.values() if len(kept) > 1]
     sizes = state_bytes(parts, optimizers)
     communication: dict[str, dict[str, int]] = {}
     calls: dict[str, dict[str, int]] = {}
@@ -304,7 +310,32 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
                     gradients=grads, optimizer=sizes["optimizer"], buffers=buffers, peak=tracker.peak,
                     peak_breakdown=dict(tracker.peak_by_category),
                     optimizer_step_peak=tracker.phase_peak.get("optimizer step temporaries", 0),
-                    communication=communication, calls=calls, bubble=bubble, moe_layers=moe)
+                    communication=communication, calls=calls, bubble=bubble, moe_layers=moe,
+                    forward_keeps=min(second_forwards) if len(second_forwards) == len(parts) else 0)
+
+
+def _forward_growth(parts: list[nn.Module], tracker: StepTracker) -> dict[int, list[int]]:
+    """Per part (a pipeline stage, or the model), the live bytes each of its forwards that builds a
+    graph adds, filled in as the step runs (the first also gathers FSDP's parameters, which stay
+    gathered across a pipeline's microbatches)."""
+    growth: dict[int, list[int]] = {i: [] for i in range(len(parts))}
+    before: dict[int, int] = {}
+
+    def pre(i: int) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            before[i] = tracker.now
+        return hook
+
+    def post(i: int) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            if torch.is_grad_enabled():
+                growth[i].append(tracker.now - before[i])
+        return hook
+
+    for i, part in enumerate(parts):
+        part.register_forward_pre_hook(pre(i))
+        part.register_forward_hook(post(i))
+    return growth
 
 
 def _watch_optimizers(optimizers: list[torch.optim.Optimizer], parts: list[nn.Module], tracker: StepTracker,

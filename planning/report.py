@@ -176,13 +176,15 @@ def format_search(result: SearchResult) -> str:
     r = result
     lines = [f"Search · {r.model} · world {r.world_size} · {r.device.name} · global batch {r.global_batch} × "
              f"seq {r.seq_len}",
-             f"{r.considered} layouts enumerated, {r.refused} refused by the trainer's checks; "
-             f"{r.sized} sized and ranked by predicted speed; of the fastest, {r.checked} checked against "
-             f"memory, {r.too_big_by_rows} too big as fewer rows per microbatch were, {r.floored} as their "
-             f"state alone is; {r.planned} fake plans in {r.seconds:,.0f} s",
+             f"{r.considered} layouts enumerated, {r.refused} refused by the trainer's checks; of "
+             f"{r.distinct} distinct, {r.distinct - r.untimed} timed ({r.untimed} could not beat those "
+             f"ranked even without communication); {r.sized} sized and ranked by predicted speed; of the "
+             f"fastest, {r.checked} checked against memory, {r.too_big_by_rows} too big as fewer rows per "
+             f"microbatch were, {r.floored} by a lower bound on their peak; {r.planned} fake plans in "
+             f"{r.seconds:,.0f} s",
              *(f"plan failed: {failure}" for failure in r.failed), ""]
     if not r.ranked:
-        lines.append("nothing fits: the smallest peaks were (≥: the state alone, not planned further)")
+        lines.append("nothing fits: the smallest peaks were (≥: a lower bound, not planned further)")
         shown = r.too_big[:5]
     else:
         shown = r.ranked[:r.top]
@@ -190,7 +192,7 @@ def format_search(result: SearchResult) -> str:
                  f"{'bubble':>6}  layout")
     for i, lay in enumerate(shown, 1):
         t = lay.step
-        peak = ("≥" if lay.peak_is_state_floor else "") + f"{lay.peak / 2**30:.1f}"
+        peak = ("≥" if lay.peak_is_lower_bound else "") + f"{lay.peak / 2**30:.1f}"
         lines.append(f"{i:>3}  {lay.tokens_per_second_per_device:>12,.0f}  {t.seconds:>8.3g}  {peak:>9}  "
                      f"{sum(t.exposed.values()):>14.3g}  {t.bubble:>6.1%}  {lay.describe()}")
     if r.ranked:
@@ -205,14 +207,15 @@ def search_json(result: SearchResult) -> str:
         t = lay.step
         return {"layout": lay.describe(), "flags": lay.flags, "degrees": lay.degrees,
                 "ac_mode": lay.ac_mode, "rows_per_microbatch": lay.rows,
-                "peak_gib": round(lay.peak / 2**30, 3), "peak_is_state_floor": lay.peak_is_state_floor,
+                "peak_gib": round(lay.peak / 2**30, 3), "peak_is_lower_bound": lay.peak_is_lower_bound,
                 "fits": lay.fits, "tokens_per_second_per_device": round(lay.tokens_per_second_per_device, 2),
                 "step_seconds": t.seconds, "compute_seconds": t.compute, "bubble": t.bubble,
                 "comm_seconds": t.comm, "exposed_seconds": t.exposed}
     r = result
     return json.dumps({"model": r.model, "world_size": r.world_size, "device": r.device.name,
                        "global_batch": r.global_batch, "seq_len": r.seq_len, "considered": r.considered,
-                       "refused": r.refused, "sized": r.sized, "checked": r.checked,
+                       "refused": r.refused, "distinct": r.distinct, "untimed": r.untimed, "sized": r.sized,
+                       "checked": r.checked,
                        "too_big_by_rows": r.too_big_by_rows, "floored": r.floored, "planned": r.planned,
                        "failed": r.failed, "seconds": r.seconds,
                        "ranked": [row(lay) for lay in r.ranked[:r.top]],

@@ -1,16 +1,21 @@
 """Search the layouts of a world and rank those that fit by the step-time model's tokens/s per device.
 
 Every layout planning/layout_space.py enumerates is checked as the trainer checks it. Each distinct
-one (its degrees: HSDP splits, AC modes and microbatch sizes are derived from it) is planned on fake
-tensors without activation checkpointing, cut to one and two blocks per pipeline stage and to two
-short counts of microbatches per step (a pipeline's run by GPipe or LoopedBFS, which take fewer
-microbatches than ranks and send what the layout's schedule sends), and scaled to the model's depth
-and the run's microbatches (planning/depth_scaling.py). Those plans give every sized layout's
-collectives and so its predicted step, which does not depend on its memory: all are ranked before
-any peak is known. Then, fastest first, each one's peak is planned (its AC mode at one and two rows
-per microbatch) until `top` of them fit. Only the leaders' peaks are planned; the order is the same.
-Not planned at all: a layout whose state alone exceeds the device, and one whose fewer rows per
-microbatch were already too big.
+one (its degrees: HSDP splits, AC modes and microbatch sizes are derived from it) is timed from fake
+plans without activation checkpointing, cut to one and two blocks per pipeline stage (the second
+depth on the first stage's rank only: a block adds the same on every stage) and to two short counts
+of microbatches per step (a pipeline's run by GPipe or LoopedBFS, which take fewer microbatches than
+ranks and send what the layout's schedule sends), and scaled to the model's depth and the run's
+microbatches (planning/depth_scaling.py). That gives every layout's collectives, so its predicted
+step, which does not depend on its memory.
+
+Branch and bound: the distinct layouts are timed in the order of the most their layouts could be
+predicted at (their compute over their least bubble, as if nothing were communicated), and a timed
+layout faster than any untimed one could be is checked at once — fastest first, its peak planned
+(its AC mode at one and two rows per microbatch) until `top` of them fit. The layouts still untimed
+then could not have been among them: the ranking is the one timing every layout would give. Not
+planned at all: a layout whose peak has a lower bound above the device (its state; a pipeline's one
+microbatch in flight), and one whose fewer rows per microbatch were already too big.
 """
 
 from __future__ import annotations
@@ -19,14 +24,16 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from components.config.parallel_options import ParallelOptions
 from components.config.sections import JobConfig
 from components.runtime.errors import KilnError
-from planning.depth_scaling import Key, rank_peak, rank_state, state_floor
+from planning.depth_scaling import Key, linear, rank_peak, rank_state, state_floor
 from planning.devices import Device
 from planning.layout_space import SCHEDULES, closed_form_bubble, configured, enumerate_layouts, rows_options
+from planning.pipeline_bubble import forwards_before_first_backward
 from planning.plan import AC_MODES, _run_tasks, count_parameters, default_ranks
 from planning.rank_plan import RankPlan
 from planning.step_time import LayoutFacts, StepTime, predict
@@ -47,7 +54,7 @@ class Layout:
     fits: bool = False
     spare_gib: float = 0.0
     step: StepTime | None = None
-    peak_is_state_floor: bool = False  # not planned: the state alone (a lower bound) exceeds the device
+    peak_is_lower_bound: bool = False  # not planned: a lower bound on it (_Sized.floor) exceeds the device
 
     @property
     def tokens_per_second_per_device(self) -> float:
@@ -77,10 +84,12 @@ class SearchResult:
     too_big: list[Layout] = field(default_factory=list)  # smallest peak first
     considered: int = 0  # layouts enumerated
     refused: int = 0  # of them the trainer's checks refuse
+    distinct: int = 0  # distinct layouts the trainer accepts (their degrees), each timed once
+    untimed: int = 0  # of them never timed: slower, even without communication, than `top` that fit
     sized: int = 0  # layouts sized and ranked by predicted speed
     checked: int = 0  # of them checked against the device's memory
     too_big_by_rows: int = 0  # of them too big because fewer rows per microbatch were (not planned)
-    floored: int = 0  # of them whose state alone exceeds the device (not planned)
+    floored: int = 0  # of them whose peak's lower bound exceeds the device (not planned)
     planned: int = 0  # fake plans run
     failed: list[str] = field(default_factory=list)  # layouts whose plans raised, with the error
     seconds: float = 0.0
@@ -144,9 +153,10 @@ class _Piece:
                         self.device_type) is not None
 
     def base(self) -> list[PlanKey]:
-        """The plans every layout of the piece is timed from: no AC, one row, each planned count."""
+        """The plans every layout of the piece is timed from: no AC, one row, each planned count; at
+        two blocks per stage the first rank only (what a block adds is the same on every stage)."""
         return [self.plan_key((rank, "none", k, 1, m), True) for m in self.timing_microbatches
-                for k in self.depths["none"] for rank in self.ranks]
+                for k in self.depths["none"] for rank in self.ranks if k == 1 or rank == self.ranks[0]]
 
     def keys(self, mode: str, rows: int) -> list[PlanKey]:
         """The plans a layout of this piece in `mode` at `rows` per microbatch is sized from."""
@@ -176,8 +186,23 @@ class _Sized:
     states: dict[int, RankPlan]  # rank → its state and collectives at the model's depth
     one_microbatch: bool  # several rows per rank in one microbatch, without a pipeline
 
+    @cached_property
     def floor(self) -> int:
-        return max(state_floor(s, self.replicas) for s in self.states.values())
+        """A lower bound on the peak, known before its plans: the state; and a pipeline without AC
+        holds, at its first rank's first backward, the state and every forward in flight, each at
+        least what the second forward of its timing plans kept (and at least those plans' peak with
+        one microbatch, whose first backward finds as much alive)."""
+        bound = max(state_floor(s, self.replicas) for s in self.states.values())
+        p = self.piece
+        if p.timing_schedule is None or self.layout.ac_mode != "none" or p.timing_microbatches != (1, 2):
+            return bound
+        first, plan_of = p.ranks[0], p.lookup(True)  # the only rank timed at two blocks per stage
+        one = rank_peak(plan_of, self.states[first], first, "none", p.depths["none"], {1: 1}, p.blocks, 1,
+                        self.replicas, False)
+        keeps = linear(*(plan_of((first, "none", k, 1, 2)).forward_keeps for k in p.depths["none"]), p.blocks)
+        schedule = p.flags["parallelism.pipeline_parallel_schedule"]
+        in_flight = forwards_before_first_backward(schedule, p.dims.pp, p.stages, p.peak_microbatches[1])
+        return int(max(bound, one, state_floor(self.states[first], self.replicas) + in_flight * keeps))
 
     @property
     def group(self) -> tuple:
@@ -299,7 +324,7 @@ def _size(piece: _Piece, device: Device, flops_per_token: float, seq_len: int, r
     states, steps = {}, []
     for rank in piece.ranks:
         state = rank_state(piece.lookup(True), rank, piece.blocks, piece.timing_microbatches,
-                           microbatches, per_rank, replicas)
+                           microbatches, per_rank, replicas, first=piece.ranks[0])
         states[rank] = state
         steps.append(predict(flops_per_token * tokens / d.world_size, bubble, state.communication,
                              state.calls, tokens / d.world_size, facts, device.peak_tflops, device.links,
@@ -314,12 +339,13 @@ def _set_peak(layout: Layout, peak: int, device: Device) -> None:
     layout.fits = layout.spare_gib >= 0
 
 
-def _check_fastest(sized: list[_Sized], device: Device, top: int, workers: int, result: SearchResult) -> None:
+def _check_fastest(sized: list[_Sized], device: Device, top: int, workers: int, result: SearchResult,
+                   too_big_rows: dict[tuple, int]) -> None:
     """Fastest first, plan each layout's peak and keep those that fit, until `top` of them do. A peak
     grows with the rows per microbatch while gradients accumulate over several microbatches: where
-    fewer rows were too big, more are too, and their plans are skipped."""
+    fewer rows were too big, more are too, and their plans are skipped (`too_big_rows`: (piece,
+    replicas, AC mode) → the fewest rows found too big, kept from one call to the next)."""
     capacity = (device.memory_gib - device.reserve_gib) * 2**30
-    too_big_rows: dict[tuple, int] = {}  # (piece, replicas, AC mode) → fewest rows found too big
 
     def skipped(s: _Sized) -> bool:
         """Too big as fewer rows were, or — its one-row plans done — as one row is."""
@@ -334,9 +360,9 @@ def _check_fastest(sized: list[_Sized], device: Device, top: int, workers: int, 
         if len(result.ranked) >= top:
             break
         lay, piece = s.layout, s.piece
-        if s.floor() > capacity:  # the state alone does not fit: no plan can change that
-            _set_peak(lay, s.floor(), device)
-            lay.peak_is_state_floor = True
+        if s.floor > capacity:  # no plan can change that
+            _set_peak(lay, s.floor, device)
+            lay.peak_is_lower_bound = True
             result.floored += 1
             result.too_big.append(lay)
             continue
@@ -352,7 +378,9 @@ def _check_fastest(sized: list[_Sized], device: Device, top: int, workers: int, 
             result.too_big_by_rows += 1
             continue
         result.checked += 1
-        _set_peak(lay, s.peak(lay.rows), device)
+        # at least the lower bound: a peak scaled linearly from one and two blocks per stage misses
+        # where a deeper stage's peak moves to the first backward (a maximum of lines is no line)
+        _set_peak(lay, max(s.peak(lay.rows), s.floor), device)
         (result.ranked if lay.fits else result.too_big).append(lay)
         if not lay.fits and not s.one_microbatch and (lay.rows == 1 or s.peak(lay.rows) >= s.peak(1)):
             too_big_rows[s.group] = min(lay.rows, too_big_rows.get(s.group, lay.rows))
@@ -366,7 +394,7 @@ def _next_jobs(sized: list[_Sized], capacity: float, workers: int, skipped: Call
     for s in sized:
         if jobs and len(jobs) >= workers:
             break
-        if s.piece.failed(s.layout.ac_mode, s.layout.rows) or s.floor() > capacity or skipped(s):
+        if s.piece.failed(s.layout.ac_mode, s.layout.rows) or s.floor > capacity or skipped(s):
             continue
         gate = s.piece.missing(s.layout.ac_mode, 1) if not s.one_microbatch else []
         for key in gate or s.needs():
@@ -391,17 +419,33 @@ def search(cfg: JobConfig, world: int, device: Device, *, device_type: str = "cu
     result = SearchResult(f"{cfg.model.name}/{cfg.model.flavor}", world, device, t.global_batch_size,
                           t.seq_len, top, considered=len(flags))
     pieces = _pieces(base, flags, world, spec, args, device_type, result)
+    result.distinct = len(pieces)
     workers = workers or os.cpu_count() or 1
-    jobs = [(piece, key) for piece in pieces for key in piece.base()]
-    _plan(jobs, workers)  # every piece without AC at one row: the collectives of all its layouts
-    result.planned = len(jobs)
     flops_per_token = spec.flops_per_token_fn(args, count_parameters(spec, args), t.seq_len)
     speedups = {"compile": cfg.compile.enable, "float8": float8}
-    sized = [s for piece in pieces if all(key in piece.results for key in piece.base())
-             for s in _sized_layouts(piece, device, flops_per_token, t.seq_len, speedups)]
-    sized.sort(key=lambda s: -s.layout.tokens_per_second_per_device)
-    result.sized = len(sized)
-    _check_fastest(sized, device, top, workers, result)
+    bounds = {id(p): _speed_bound(p, device, flops_per_token, t.seq_len, speedups) for p in pieces}
+    untimed = sorted(pieces, key=lambda p: -bounds[id(p)])
+    waiting: list[_Sized] = []  # timed, not yet checked against memory
+    too_big_rows: dict[tuple, int] = {}
+    while True:
+        # a layout faster than any untimed one could be is checked now: its place is final
+        threshold = bounds[id(untimed[0])] if untimed else -1.0
+        ready = [s for s in waiting if s.layout.tokens_per_second_per_device > threshold]
+        waiting = waiting[len(ready):]
+        _check_fastest(ready, device, top, workers, result, too_big_rows)
+        if len(result.ranked) >= top or not untimed:
+            break
+        batch = _next_pieces(untimed, 4 * workers)
+        jobs = [(piece, key) for piece in batch for key in piece.base()]
+        _plan(jobs, workers)  # without AC at one row: the collectives of all the pieces' layouts
+        result.planned += len(jobs)
+        for piece in batch:
+            if all(key in piece.results for key in piece.base()):
+                layouts = _sized_layouts(piece, device, flops_per_token, t.seq_len, speedups)
+                result.sized += len(layouts)
+                waiting += layouts
+        waiting.sort(key=lambda s: -s.layout.tokens_per_second_per_device)
+    result.untimed = len(untimed)
     for piece in pieces:
         result.failed += _failures(piece)
     if float8:
@@ -410,6 +454,33 @@ def search(cfg: JobConfig, world: int, device: Device, *, device_type: str = "cu
     result.too_big.sort(key=lambda lay: lay.peak)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _speed_bound(piece: _Piece, device: Device, flops_per_token: float, seq_len: int,
+                 speedups: dict[str, bool]) -> float:
+    """The most tokens/s per device any layout of the piece could be predicted at: its compute (with
+    the AC mode's recompute) over the smallest bubble, as if nothing were communicated — what the
+    step-time model adds to that is never negative."""
+    d = piece.dims
+    tokens = piece.global_batch * seq_len
+    best = 0.0
+    for mode in AC_MODES:
+        facts = LayoutFacts({"pp": d.pp, "dp_replicate": 1, "dp_shard": d.dp, "cp": d.cp, "tp": d.tp,
+                             "ep": d.ep}, 1, mode, piece.cfg.activation_checkpoint.selective_ac_option,
+                            **speedups)
+        bubble = closed_form_bubble(d.pp, piece.stages, piece.per_rank)  # one row per microbatch: least
+        step = predict(flops_per_token * tokens / d.world_size, bubble, {}, {}, tokens / d.world_size, facts,
+                       device.peak_tflops, device.links, device.efficiency)
+        best = max(best, step.tokens_per_second_per_device)
+    return best
+
+
+def _next_pieces(untimed: list[_Piece], plans: int) -> list[_Piece]:
+    """The next pieces to time (taken from `untimed`, highest bound first), about `plans` plans' worth."""
+    batch: list[_Piece] = []
+    while untimed and (not batch or sum(len(p.base()) for p in batch) < plans):
+        batch.append(untimed.pop(0))
+    return batch
 
 
 def _pieces(base: JobConfig, flags: list[dict[str, Any]], world: int, spec: Any, args: Any, device_type: str,

@@ -89,14 +89,27 @@ class GroupedExperts(nn.Module):
     @outside_compile
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [tokens, dim] sorted by expert, counts[e] rows for local expert e → outputs, same order."""
+        if x.is_cuda and self.grouped_mm_takes(x):
+            return self.grouped_mm(x, counts)
+        return self.loop(x, counts)
+
+    @staticmethod
+    def grouped_mm_takes(x: torch.Tensor) -> bool:
+        """Whether torch._grouped_mm takes these inputs on CUDA: bfloat16, in a torch that has it. Its
+        backward fails on CPU (docs/compatibility.md), so CPU takes the loop."""
+        return x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+
+    def grouped_mm(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """One grouped GEMM per projection."""
         w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
-        if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-            # One grouped GEMM per projection (CUDA bf16). Its backward fails on CPU
-            # (docs/compatibility.md), so CPU takes the loop below.
-            offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
-            h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
+        h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+
+    def loop(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Three matmuls per expert, one expert after another."""
+        w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
         outs = []
         for e, xs in enumerate(torch.split(x, counts)):
             h = F.silu(xs @ w1[e].T) * (xs @ w3[e].T)

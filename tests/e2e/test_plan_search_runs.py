@@ -60,6 +60,22 @@ def test_search_ranks_the_layouts_its_best_equal_full_plans_and_a_short_search_f
     assert leaders["planned"] < result["planned"] and leaders["too_big_by_rows"] > 0
 
 
+def test_layouts_that_could_not_beat_the_ranked_are_never_timed_and_the_ranking_is_the_same():
+    """Branch and bound: where compute dominates (a slow device), the layouts whose best possible
+    speed — their compute and bubble alone — is below the two ranked are never timed; timing every
+    layout (a --top no world reaches) ranks the same two first, with the same numbers."""
+    device = ["--world-size", "2", "--device", "cpu", "--device-memory", "8GiB", "--peak-tflops", "0.0005"]
+    results = []
+    for top in ("2", "100"):
+        proc = plan("--search", "--json", "--top", top, *device, *MODEL)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results.append(json.loads(proc.stdout))
+    short, every = results
+    assert every["untimed"] == 0 and short["untimed"] > 0 and short["planned"] < every["planned"]
+    assert short["distinct"] == every["distinct"]
+    assert len(short["ranked"]) == 2 and short["ranked"] == every["ranked"][:2]
+
+
 @pytest.mark.parametrize("schedule,timed_with", [("1F1B", "GPipe"), ("Interleaved1F1B", "LoopedBFS")])
 def test_a_pipeline_is_timed_with_a_schedule_that_sends_what_its_own_does(schedule, timed_with):
     """The search times a pipeline's collectives with GPipe or LoopedBFS (any count of microbatches):
@@ -96,7 +112,7 @@ def test_search_where_nothing_fits_shows_the_smallest_without_planning_what_cann
     result = json.loads(proc.stdout)
     assert result["ranked"] == [] and result["checked"] == 0 and result["planned"] == 4
     smallest = result["too_big"]
-    assert smallest and all(r["peak_is_state_floor"] and r["peak_gib"] > 1 / 1024 for r in smallest)
+    assert smallest and all(r["peak_is_lower_bound"] and r["peak_gib"] > 1 / 1024 for r in smallest)
     text = plan("--search", "--world-size", "1", "--device-memory", "1MiB", "--reserve-gib", "0", *MODEL)
     assert "nothing fits: the smallest peaks were" in text.stdout and "≥" in text.stdout
 
@@ -106,3 +122,66 @@ def test_search_needs_a_global_batch():
     assert proc.returncode == 2
     assert ("kiln: error: plan.py --search keeps the global batch: give --training.global_batch_size"
             in proc.stderr)
+
+
+MOE_PP_EP = ["--config", "llama_debug", "--model.name", "moe", "--training.seq_len", "64",
+             "--training.global_batch_size", "8", "--parallelism.expert_parallel_degree", "2"]
+
+
+@pytest.mark.parametrize("world,args,schedule", [
+    (2, MODEL, "1F1B"), (2, MODEL, "Interleaved1F1B"), (4, MOE_PP_EP, "Interleaved1F1B")])
+def test_a_block_adds_the_same_on_the_last_stage_as_on_the_first(world, args, schedule):
+    """The search times the last stage's rank at one block per stage only and grows it by what a block
+    adds to the first stage's: that equals its own plan at two blocks (the output layer and loss stay
+    its own), in state and in every collective."""
+    from components.config.loading import load_config
+    from planning.depth_scaling import at_blocks
+    from planning.search import _piece, _plan
+    from training.assembly import load_model_family
+
+    cfg = load_config(args)
+    spec, model_args = load_model_family(cfg)
+    flags = {"parallelism.pipeline_parallel_degree": 2, "parallelism.pipeline_parallel_schedule": schedule,
+             "parallelism.data_parallel_shard_degree": -1, "parallelism.data_parallel_replicate_degree": 1}
+    piece = _piece(cfg, flags, world, spec, model_args, "cuda")
+    first, last = piece.ranks
+    keys = [piece.plan_key((rank, "none", k, 1, m), True) for rank in (first, last) for k in (1, 2)
+            for m in piece.timing_microbatches]
+    _plan([(piece, key) for key in keys], 2)
+    assert not piece.errors, piece.errors
+    for m in piece.timing_microbatches:
+        plans = {(rank, k): piece.results[piece.plan_key((rank, "none", k, 1, m), True)]
+                 for rank in (first, last) for k in (1, 2)}
+        assert plans[(last, 1)].parameters != plans[(first, 1)].parameters  # the ends differ
+        own = at_blocks(plans[(last, 1)], plans[(last, 2)], 3)
+        grown = at_blocks(plans[(first, 1)], plans[(first, 2)], 3, plans[(last, 1)])
+        for field in ("parameters", "gradients", "optimizer", "buffers", "communication", "calls"):
+            assert getattr(grown, field) == getattr(own, field), (m, field)
+
+
+def test_a_pipelines_lower_bound_on_its_peak_holds_and_counts_its_forwards_in_flight(monkeypatch):
+    """The search skips a layout whose peak has a lower bound above the device. Under a pipeline
+    without AC that bound counts the forwards in flight at the first backward: it is above the state
+    alone, and below the peak planned with the layout's own schedule (here; scaled to a deeper
+    model's stages that peak can fall below the bound, and the search takes the bound)."""
+    import planning.search as search_module
+    from components.config.loading import load_config
+    from planning.depth_scaling import state_floor
+    from planning.devices import DEVICES
+
+    checked = []
+    check = search_module._check_fastest
+
+    def noted(sized, *args):
+        checked.extend(sized)
+        return check(sized, *args)
+
+    monkeypatch.setattr(search_module, "_check_fastest", noted)
+    cfg = load_config([*MODEL, "--training.global_batch_size", "16"])
+    search_module.search(cfg, 2, DEVICES["h100"], top=100)  # every layout checked
+    bounded = [s for s in checked if s.piece.dims.pp > 1 and s.layout.ac_mode == "none"]
+    assert {s.piece.stages for s in bounded} == {1, 2}  # 1F1B and Interleaved1F1B
+    for s in bounded:
+        state = max(state_floor(plan, s.replicas) for plan in s.states.values())
+        planned = s.peak(s.layout.rows)
+        assert state < s.floor <= planned == s.layout.peak, (s.layout.describe(), state, s.floor, planned)

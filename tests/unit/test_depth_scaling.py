@@ -56,3 +56,22 @@ def test_peak_per_block_and_per_row_and_what_one_microbatch_and_hsdp_change():
     assert one == peak(4, 8) - 160  # no accumulated gradients before its own backward
     hsdp = rank_peak(planned.__getitem__, state, 0, "full", (1, 2), rows, 4, 4, 2, False)
     assert hsdp == peak(4, 4) + (160 + 160 + 320)  # the state sharded over half the ranks
+
+
+def test_a_later_stage_grows_by_what_a_block_adds_to_the_first():
+    # the last stage's rank, planned at one block only, has its own ends (an output layer: 1000
+    # more parameter bytes, a loss all-reduce) and the blocks of the first stage's rank
+    import dataclasses
+
+    def last(k: int, m: int) -> RankPlan:
+        p = plan(k, m)
+        return dataclasses.replace(p, rank=1, parameters={"float32": 40 * k + 1000},
+                                   communication=p.communication | {"tp": {"all-reduce": 7 * k * m + 3 * m}})
+
+    planned = {(0, "none", k, 1, m): plan(k, m) for k in (1, 2) for m in (2, 3)}
+    planned |= {(1, "none", 1, 1, m): last(1, m) for m in (2, 3)}
+    state = rank_state(planned.__getitem__, 1, 4, (2, 3), 4, 8, replicas=1, first=0)
+    assert state.rank == 1 and state.parameters == {"float32": 160 + 1000}
+    assert state.communication["tp"]["all-reduce"] == 7 * 4 * 8 + 3 * 8
+    assert state.communication["dp_shard"]["all-gather"] == 4 * (100 * 4 + 10)
+    assert state.calls == {"dp_shard": {"all-gather": 16}, "tp": {"all-reduce": 32}}

@@ -5,7 +5,7 @@ parallel included) against the single process is tests/e2e/test_moe_runs.py."""
 import pytest
 import torch
 
-from models.common.moe import MoE, MoEArgs
+from models.common.moe import GroupedExperts, MoE, MoEArgs
 
 
 def _layer(**changes) -> MoE:
@@ -53,6 +53,27 @@ def test_layer_matches_per_token_reference(changes):
     ref_grads = torch.autograd.grad(ref.square().sum(), [ref_x, *moe.parameters()])
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+
+
+def test_the_grouped_gemm_cuda_takes_equals_the_loop_the_cpu_takes():
+    # bf16 on CPU runs both (the trainer keeps the CPU on the loop: docs/compatibility.md); an expert
+    # without rows included. The output's gradient is a full tensor, as a layer above gives it.
+    torch.manual_seed(0)
+    experts = GroupedExperts(16, 8, 4)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_()
+    experts.to(torch.bfloat16)
+    x = torch.randn(12, 16, dtype=torch.bfloat16, requires_grad=True)
+    counts, grad = [3, 0, 5, 4], torch.randn(12, 16, dtype=torch.bfloat16)
+    results = []
+    for path in (experts.loop, experts.grouped_mm):
+        out = path(x, counts)
+        results.append((out, *torch.autograd.grad(out, (x, experts.w1, experts.w2, experts.w3), grad)))
+    assert GroupedExperts.grouped_mm_takes(x) and not GroupedExperts.grouped_mm_takes(x.float())
+    for loop, grouped in zip(*results, strict=True):
+        torch.testing.assert_close(grouped, loop, rtol=0.02, atol=0.02)
+        assert loop.abs().max() > 1
 
 
 def test_bias_steers_choice_not_weights_and_moves_against_load():

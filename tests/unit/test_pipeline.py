@@ -1,5 +1,6 @@
 """Pipeline parallel's layer split and stage layout: which layers each stage holds, which stages each
-rank runs, and the refusals. Training under every schedule is tests/e2e/test_pipeline_runs.py."""
+rank runs, and the refusals; the forwards a schedule has in flight at its first backward. Training
+under every schedule is tests/e2e/test_pipeline_runs.py."""
 
 import pytest
 
@@ -19,3 +20,26 @@ def test_split_layers_and_stage_layout():
     for bad, words in (("0-2,4-5", "cover"), ("0-5", "names 1 stages"), ("0-x,3-5", "not a layer")):
         with pytest.raises(KilnError, match=words):
             parse_stage_layers(bad, 6, 2)
+
+
+@pytest.mark.parametrize("schedule,stages_per_rank", [("1F1B", 1), ("Interleaved1F1B", 2)])
+@pytest.mark.parametrize("pp,microbatches", [(2, 2), (2, 4), (4, 4), (4, 8), (4, 12), (8, 16), (8, 64)])
+def test_the_forwards_in_flight_at_the_first_backward_are_torchs(schedule, stages_per_rank, pp, microbatches):
+    # the planner's lower bound on a pipeline's peak counts them; torch's schedules, built on stand-in
+    # stages (their order needs only the group's size and rank), run them in that order
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules
+
+    from planning.pipeline_bubble import forwards_before_first_backward, one_f_one_b_order
+
+    if schedule == "1F1B":
+        order = [f"{kind}" for _, kind, _ in one_f_one_b_order(pp, microbatches)[0]]
+    else:
+        stages = [SimpleNamespace(group_size=pp, group_rank=0, num_stages=pp * stages_per_rank,
+                                  stage_index=i * pp) for i in range(stages_per_rank)]
+        built = schedules.ScheduleInterleaved1F1B(stages, microbatches)
+        order = [a.computation_type.value for a in built.pipeline_order[0] if a is not None]
+    expected = order.index("B")
+    assert order[:expected] == ["F"] * expected
+    assert forwards_before_first_backward(schedule, pp, stages_per_rank, microbatches) == expected

@@ -71,3 +71,35 @@ def test_the_plan_runner_puts_each_result_in_its_task_place_whatever_ends_first(
     monkeypatch.setattr(plan_module, "_plan_task", _sleep_then_name)  # forked children see it
     tasks = [(0.5, "slow"), (0.0, "a"), (0.0, "b"), (0.0, "c")]
     assert plan_module._run_tasks(tasks, 2, keep_errors=True, start="fork") == ["slow", "a", "b", "c"]
+
+
+def test_a_cuda_plan_runs_the_experts_as_cuda_does_and_a_cpu_plan_as_the_cpu_does(monkeypatch, tmp_path):
+    # On CUDA in bf16 the experts take the grouped GEMM, on the CPU the loop (models/common/moe.py);
+    # the planner's fake step takes the path of the device it plans for, and the grouped one plans.
+    import planning.plan as plan_module
+    from components.config.loading import load_config
+    from models.common.moe import GroupedExperts
+    from tests.helpers.runs import TINY
+
+    log = tmp_path / "paths"
+    for name in ("grouped_mm", "loop"):
+        original = getattr(GroupedExperts, name)
+
+        def noted(self, x, counts, _original=original, _name=name):
+            with open(log, "a") as f:  # forked children write here
+                f.write(f"{_name} {x.dtype}\n")
+            return _original(self, x, counts)
+
+        monkeypatch.setattr(GroupedExperts, name, noted)
+    cfg = load_config([*TINY, "--model.name", "moe", "--training.global_batch_size", "8",
+                       "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"])
+    results = {}
+    for device_type in ("cuda", "cpu"):
+        log.write_text("")
+        [results[device_type]] = plan_module._run_tasks([(cfg, 2, 0, device_type, "none", True)], 1,
+                                                       keep_errors=True, start="fork")
+        assert not isinstance(results[device_type], BaseException), results[device_type]
+        assert set(log.read_text().splitlines()) == (
+            {"grouped_mm torch.bfloat16"} if device_type == "cuda" else {"loop torch.float32"})
+    # the same expert-parallel exchange either way
+    assert results["cuda"].calls == results["cpu"].calls
