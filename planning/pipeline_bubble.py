@@ -69,8 +69,8 @@ def forwards_before_first_backward(schedule: str, pp: int, stages_per_rank: int,
     """The forwards (of a stage and microbatch) the first rank runs before its first backward, each
     still holding its activations then. 1F1B: min(n, pp), as above. Interleaved1F1B: torch's warm-up,
     (v − 1) rounds of microbatches plus two per later rank, at most v·n, and the forward its steady
-    state starts with (tests/unit/test_pipeline.py holds both to torch's own orders). Other
-    schedules: 1, the least."""
+    state starts with (tests/unit/test_pipeline.py holds it to torch's own order, and 1F1B to
+    one_f_one_b_order). Other schedules: 1, the least."""
     if schedule == "1F1B":
         return min(microbatches, pp)
     if schedule == "Interleaved1F1B":

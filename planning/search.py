@@ -14,8 +14,9 @@ predicted at (their compute over their least bubble, as if nothing were communic
 layout faster than any untimed one could be is checked at once — fastest first, its peak planned
 (its AC mode at one and two rows per microbatch) until `top` of them fit. The layouts still untimed
 then could not have been among them: the ranking is the one timing every layout would give. Not
-planned at all: a layout whose peak has a lower bound above the device (its state; a pipeline's one
-microbatch in flight), and one whose fewer rows per microbatch were already too big.
+planned at all: a layout whose peak has a lower bound above the device (its state; under a pipeline
+without AC, also every forward in flight at the first backward), and one whose fewer rows per
+microbatch were already too big.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from typing import Any
 from components.config.parallel_options import ParallelOptions
 from components.config.sections import JobConfig
 from components.runtime.errors import KilnError
+from parallelisms.layout_checks import stage_layers
+from parallelisms.pipeline import stage_ids
 from planning.depth_scaling import Key, linear, rank_peak, rank_state, state_floor
 from planning.devices import Device
 from planning.layout_space import SCHEDULES, closed_form_bubble, configured, enumerate_layouts, rows_options
@@ -50,7 +53,7 @@ class Layout:
     degrees: dict[str, int]
     ac_mode: str
     rows: int  # per microbatch (pipeline: per pipeline microbatch)
-    peak: int = 0  # bytes on the fullest planned rank
+    peak: int = 0  # bytes on the fullest planned rank (at least _Sized.floor)
     fits: bool = False
     spare_gib: float = 0.0
     step: StepTime | None = None
@@ -111,6 +114,8 @@ class _Piece:
     args: Any
     device_type: str
     depths: dict[str, tuple[int, int]]  # AC mode → blocks per stage planned
+    index: int = 0  # its place among the enumerated layouts (the ranking's tie-break)
+    first_rank_blocks: int = 1  # blocks of the first rank's smallest stage
     timing_microbatches: tuple[int, ...] = (1,)  # microbatches per step the collectives are planned at
     peak_microbatches: dict[int, int] = field(default_factory=dict)  # rows per microbatch → microbatches
     replicas: set[int] = field(default_factory=lambda: {1})  # HSDP replica counts derived from it
@@ -197,12 +202,15 @@ class _Sized:
         if p.timing_schedule is None or self.layout.ac_mode != "none" or p.timing_microbatches != (1, 2):
             return bound
         first, plan_of = p.ranks[0], p.lookup(True)  # the only rank timed at two blocks per stage
-        one = rank_peak(plan_of, self.states[first], first, "none", p.depths["none"], {1: 1}, p.blocks, 1,
-                        self.replicas, False)
-        keeps = linear(*(plan_of((first, "none", k, 1, 2)).forward_keeps for k in p.depths["none"]), p.blocks)
+        blocks = p.first_rank_blocks  # its stages' own (fewest), not the average: a split can be uneven
+        state = rank_state(plan_of, first, blocks, p.timing_microbatches, 1, 1, self.replicas, first)
+        one = rank_peak(plan_of, state, first, "none", p.depths["none"], {1: 1}, blocks, 1, self.replicas,
+                        False)
+        keeps = linear(*(plan_of((first, "none", k, 1, 2)).forward_keeps for k in p.depths["none"]), blocks)
         schedule = p.flags["parallelism.pipeline_parallel_schedule"]
+        # counted at one row per microbatch: more rows per microbatch keep more in each forward
         in_flight = forwards_before_first_backward(schedule, p.dims.pp, p.stages, p.peak_microbatches[1])
-        return int(max(bound, one, state_floor(self.states[first], self.replicas) + in_flight * keeps))
+        return int(max(bound, one, state_floor(state, self.replicas) + in_flight * keeps))
 
     @property
     def group(self) -> tuple:
@@ -233,6 +241,10 @@ def _piece(cfg: JobConfig, flags: dict[str, Any], world: int, spec: Any, args: A
     piece = _Piece(flags, changed, dims, batch, args.n_layers / (dims.pp * stages),
                    default_ranks(world, dims.pp), stages, spec, args, device_type,
                    {mode: _depths(mode, option) for mode in AC_MODES})
+    if dims.pp > 1:
+        layers = stage_layers(args.n_layers, dims.pp, ParallelOptions.from_config(changed, device_type))
+        schedule = changed.parallelism.pipeline_parallel_schedule
+        piece.first_rank_blocks = min(len(layers[i]) for i in stage_ids(0, dims.pp, schedule))
     piece.timing_microbatches, piece.peak_microbatches = _microbatches(piece)
     return piece
 
@@ -311,8 +323,7 @@ def _size(piece: _Piece, device: Device, flops_per_token: float, seq_len: int, r
     d = piece.dims
     per_rank = piece.per_rank
     microbatches = per_rank // rows
-    degrees = {"pp": d.pp, "dp_replicate": replicas, "dp_shard": d.dp // replicas, "cp": d.cp, "tp": d.tp,
-               "ep": d.ep}
+    degrees = _degrees(d, replicas)
     flags = piece.flags | {"parallelism.data_parallel_replicate_degree": replicas,
                            "parallelism.data_parallel_shard_degree": d.dp // replicas,
                            "activation_checkpoint.mode": mode, _rows_key(d.pp): rows}
@@ -444,7 +455,8 @@ def search(cfg: JobConfig, world: int, device: Device, *, device_type: str = "cu
                 layouts = _sized_layouts(piece, device, flops_per_token, t.seq_len, speedups)
                 result.sized += len(layouts)
                 waiting += layouts
-        waiting.sort(key=lambda s: -s.layout.tokens_per_second_per_device)
+        # ties in enumeration order, as a search timing every layout at once ranks them
+        waiting.sort(key=lambda s: (-s.layout.tokens_per_second_per_device, s.piece.index))
     result.untimed = len(untimed)
     for piece in pieces:
         result.failed += _failures(piece)
@@ -458,21 +470,21 @@ def search(cfg: JobConfig, world: int, device: Device, *, device_type: str = "cu
 
 def _speed_bound(piece: _Piece, device: Device, flops_per_token: float, seq_len: int,
                  speedups: dict[str, bool]) -> float:
-    """The most tokens/s per device any layout of the piece could be predicted at: its compute (with
-    the AC mode's recompute) over the smallest bubble, as if nothing were communicated — what the
-    step-time model adds to that is never negative."""
+    """The most tokens/s per device any layout of the piece could be predicted at: its compute without
+    recompute (AC only adds) over the smallest bubble (one row per microbatch), as if nothing were
+    communicated — what the step-time model adds to that is never negative."""
     d = piece.dims
     tokens = piece.global_batch * seq_len
-    best = 0.0
-    for mode in AC_MODES:
-        facts = LayoutFacts({"pp": d.pp, "dp_replicate": 1, "dp_shard": d.dp, "cp": d.cp, "tp": d.tp,
-                             "ep": d.ep}, 1, mode, piece.cfg.activation_checkpoint.selective_ac_option,
-                            **speedups)
-        bubble = closed_form_bubble(d.pp, piece.stages, piece.per_rank)  # one row per microbatch: least
-        step = predict(flops_per_token * tokens / d.world_size, bubble, {}, {}, tokens / d.world_size, facts,
-                       device.peak_tflops, device.links, device.efficiency)
-        best = max(best, step.tokens_per_second_per_device)
-    return best
+    facts = LayoutFacts(_degrees(d, 1), 1, "none", **speedups)
+    bubble = closed_form_bubble(d.pp, piece.stages, piece.per_rank)
+    return predict(flops_per_token * tokens / d.world_size, bubble, {}, {}, tokens / d.world_size, facts,
+                   device.peak_tflops, device.links, device.efficiency).tokens_per_second_per_device
+
+
+def _degrees(d: Any, replicas: int) -> dict[str, int]:
+    """A layout's degrees with `replicas` HSDP replicas of its data-parallel ranks."""
+    return {"pp": d.pp, "dp_replicate": replicas, "dp_shard": d.dp // replicas, "cp": d.cp, "tp": d.tp,
+            "ep": d.ep}
 
 
 def _next_pieces(untimed: list[_Piece], plans: int) -> list[_Piece]:
@@ -501,6 +513,7 @@ def _pieces(base: JobConfig, flags: list[dict[str, Any]], world: int, spec: Any,
                 refused.add(key)
                 result.refused += 1
                 continue
+            piece.index = len(pieces)
             pieces[key] = piece
         pieces[key].replicas.add(f["parallelism.data_parallel_replicate_degree"])
     return list(pieces.values())
@@ -518,5 +531,4 @@ def _failures(piece: _Piece) -> list[str]:
 
 def _describe_piece(piece: _Piece) -> str:
     d = piece.dims
-    return Layout(piece.flags, {"pp": d.pp, "dp_replicate": 1, "dp_shard": d.dp, "cp": d.cp, "tp": d.tp,
-                                "ep": d.ep}, "none", 1).describe().rsplit(", AC", 1)[0]
+    return Layout(piece.flags, _degrees(d, 1), "none", 1).describe().rsplit(", AC", 1)[0]

@@ -23,10 +23,12 @@ def test_split_layers_and_stage_layout():
 
 
 @pytest.mark.parametrize("schedule,stages_per_rank", [("1F1B", 1), ("Interleaved1F1B", 2)])
-@pytest.mark.parametrize("pp,microbatches", [(2, 2), (2, 4), (4, 4), (4, 8), (4, 12), (8, 16), (8, 64)])
+@pytest.mark.parametrize("pp,microbatches", [(2, 2), (2, 3), (2, 4), (4, 4), (4, 6), (4, 8), (4, 10), (4, 12),
+                                              (8, 12), (8, 16), (8, 64)])
 def test_the_forwards_in_flight_at_the_first_backward_are_torchs(schedule, stages_per_rank, pp, microbatches):
-    # the planner's lower bound on a pipeline's peak counts them; torch's schedules, built on stand-in
-    # stages (their order needs only the group's size and rank), run them in that order
+    # the planner's lower bound on a pipeline's peak counts them. Interleaved1F1B: torch's own order,
+    # built on stand-in stages (it needs only the group's size and rank). 1F1B: the rule of torch's
+    # runtime that one_f_one_b_order follows (torch's pipeline_order for it misnumbers forwards).
     from types import SimpleNamespace
 
     from torch.distributed.pipelining import schedules
