@@ -33,7 +33,7 @@ def at_blocks(one: RankPlan, two: RankPlan, blocks: float, own: RankPlan | None 
     own = own or one
 
     def grown(at: float, a: float, b: float) -> int:
-        return int(at + (b - a) * (blocks - 1))
+        return int(at - a + linear(a, b, blocks))
 
     def dim_map(at: dict, a: dict, b: dict) -> dict:
         dims = set(at) | set(a) | set(b)

@@ -293,10 +293,9 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
     for opt in optimizers:
         opt.make_state()
     tracker.reset_peak()
-    growth = _forward_growth(parts, tracker)
+    second_forwards = _second_forward_growth(parts, tracker)
     step(_microbatches(cfg, dims, global_batch, args.vocab_size))
     tracker.finish()
-    second_forwards = [kept[1] for kept in growth.values() if len(kept) > 1]
     sizes = state_bytes(parts, optimizers)
     communication: dict[str, dict[str, int]] = {}
     calls: dict[str, dict[str, int]] = {}
@@ -311,15 +310,16 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
                     peak_breakdown=dict(tracker.peak_by_category),
                     optimizer_step_peak=tracker.phase_peak.get("optimizer step temporaries", 0),
                     communication=communication, calls=calls, bubble=bubble, moe_layers=moe,
-                    forward_keeps=min(second_forwards) if len(second_forwards) == len(parts) else 0)
+                    forward_keeps=min(second_forwards.values()) if len(second_forwards) == len(parts) else 0)
 
 
-def _forward_growth(parts: list[nn.Module], tracker: StepTracker) -> dict[int, list[int]]:
-    """Per part (a pipeline stage, or the model), the live bytes each of its forwards that builds a
+def _second_forward_growth(parts: list[nn.Module], tracker: StepTracker) -> dict[int, int]:
+    """Per part (a pipeline stage, or the model), the live bytes its second forward that builds a
     graph adds, filled in as the step runs (the first also gathers FSDP's parameters, which stay
     gathered across a pipeline's microbatches)."""
-    growth: dict[int, list[int]] = {i: [] for i in range(len(parts))}
+    growth: dict[int, int] = {}
     before: dict[int, int] = {}
+    forwards = dict.fromkeys(range(len(parts)), 0)
 
     def pre(i: int) -> Callable[..., None]:
         def hook(*_: Any) -> None:
@@ -329,7 +329,9 @@ def _forward_growth(parts: list[nn.Module], tracker: StepTracker) -> dict[int, l
     def post(i: int) -> Callable[..., None]:
         def hook(*_: Any) -> None:
             if torch.is_grad_enabled():
-                growth[i].append(tracker.now - before[i])
+                forwards[i] += 1
+                if forwards[i] == 2:
+                    growth[i] = tracker.now - before[i]
         return hook
 
     for i, part in enumerate(parts):
