@@ -102,6 +102,17 @@ def _at_microbatches(one: RankPlan, two: RankPlan, planned: tuple[int, ...], mic
     return dataclasses.replace(one, communication=comm, calls=calls)
 
 
+def one_microbatch_fewer(plan: RankPlan) -> RankPlan:
+    """A rank planned at several microbatches per step without a pipeline, at one fewer: its
+    collectives less those of its first microbatch (what every microbatch but the last sends)."""
+    def less(table: dict, first: dict) -> dict:
+        return {dim: {kind: n - first.get(dim, {}).get(kind, 0) for kind, n in kinds.items()}
+                for dim, kinds in table.items()}
+
+    return dataclasses.replace(plan, communication=less(plan.communication, plan.microbatch_communication),
+                               calls=less(plan.calls, plan.microbatch_calls))
+
+
 def _per_microbatch(plan: RankPlan, ratio: float) -> RankPlan:
     """A rank planned at one count of microbatches, at `ratio` times as many (as many rows in all):
     every call and FSDP's bytes scale with the microbatches (their share per step too, a small

@@ -62,6 +62,10 @@ class RankPlan:
     moe_layers: int = 0  # layers routed by the balanced assumption
     forward_keeps: int = 0  # bytes a stage's second forward left alive for its backward (the least
     # over this rank's stages; 0 below two microbatches): what each forward in flight holds
+    # the collectives of the first of several microbatches without a pipeline (mesh dim → kind →
+    # bytes; calls alike): what each microbatch but the last adds, as one more adds to a step
+    microbatch_communication: dict[str, dict[str, int]] = field(default_factory=dict)
+    microbatch_calls: dict[str, dict[str, int]] = field(default_factory=dict)
     seconds: float = 0.0  # how long planning this rank took
     ac_peaks: dict[str, int] = field(default_factory=dict)  # peak per activation-checkpoint mode
 
@@ -120,9 +124,21 @@ class PlannedStep(TrainStep):
     MoE load is balanced (its all-reduce still issued, so it is counted) — and gradient
     accumulation over more than three microbatches run as three: the first, one that stands for
     every middle one (its collectives counted that many times) and the last (they differ in what
-    they reduce), since identical microbatches reach the same peak."""
+    they reduce), since identical microbatches reach the same peak. The first's collectives are
+    kept apart too (`first_microbatch`): a step's collectives at one microbatch fewer."""
 
     tracker: StepTracker
+    first_microbatch: tuple[dict, dict] | None = None  # (mesh dim, kind) → bytes, and → calls
+
+    def _microbatch(self, microbatch: Microbatch, scale: float, last: bool) -> torch.Tensor:
+        if last or self.first_microbatch is not None:
+            return super()._microbatch(microbatch, scale, last)
+        before = dict(self.tracker.comm_bytes), dict(self.tracker.comm_calls)
+        loss = super()._microbatch(microbatch, scale, last)
+        self.first_microbatch = tuple(  # type: ignore[assignment]
+            {key: n - old.get(key, 0) for key, n in now.items() if n != old.get(key, 0)}
+            for now, old in zip((self.tracker.comm_bytes, self.tracker.comm_calls), before, strict=True))
+        return loss
 
     def count_tokens(self, microbatches: Batch) -> tuple[torch.Tensor, float]:
         local = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -297,11 +313,8 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
     step(_microbatches(cfg, dims, global_batch, args.vocab_size))
     tracker.finish()
     sizes = state_bytes(parts, optimizers)
-    communication: dict[str, dict[str, int]] = {}
-    calls: dict[str, dict[str, int]] = {}
-    for (dim, kind), nbytes in sorted(tracker.comm_bytes.items()):
-        communication.setdefault(dim, {})[kind] = nbytes
-        calls.setdefault(dim, {})[kind] = tracker.comm_calls[(dim, kind)]
+    communication, calls = _by_dim(tracker.comm_bytes), _by_dim(tracker.comm_calls)
+    microbatch_communication, microbatch_calls = (_by_dim(t) for t in step.first_microbatch or ({}, {}))
     bubble = (schedule_bubble(step.pipeline.schedule, built.num_stages).fraction
               if step.pipeline is not None else None)
     buffers = sum(local_tensor(b).untyped_storage().nbytes() for part in parts for b in part.buffers())
@@ -310,7 +323,16 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
                     peak_breakdown=dict(tracker.peak_by_category),
                     optimizer_step_peak=tracker.phase_peak.get("optimizer step temporaries", 0),
                     communication=communication, calls=calls, bubble=bubble, moe_layers=moe,
-                    forward_keeps=min(second_forwards.values()) if len(second_forwards) == len(parts) else 0)
+                    forward_keeps=min(second_forwards.values()) if len(second_forwards) == len(parts) else 0,
+                    microbatch_communication=microbatch_communication, microbatch_calls=microbatch_calls)
+
+
+def _by_dim(counts: dict[tuple[str, str], int]) -> dict[str, dict[str, int]]:
+    """(mesh dim, kind) → n as mesh dim → kind → n."""
+    out: dict[str, dict[str, int]] = {}
+    for (dim, kind), n in sorted(counts.items()):
+        out.setdefault(dim, {})[kind] = n
+    return out
 
 
 def _second_forward_growth(parts: list[nn.Module], tracker: StepTracker) -> dict[int, int]:

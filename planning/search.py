@@ -33,7 +33,7 @@ from components.config.sections import JobConfig
 from components.runtime.errors import KilnError
 from parallelisms.layout_checks import stage_layers
 from parallelisms.pipeline import stage_ids
-from planning.depth_scaling import Key, linear, rank_peak, rank_state, state_floor
+from planning.depth_scaling import Key, linear, one_microbatch_fewer, rank_peak, rank_state, state_floor
 from planning.devices import Device
 from planning.layout_space import SCHEDULES, closed_form_bubble, configured, enumerate_layouts, rows_options
 from planning.pipeline_bubble import forwards_before_first_backward
@@ -136,9 +136,22 @@ class _Piece:
         """A plan's key; without a pipeline, a timing plan is the plain plan of the same key."""
         return key, timing and self.timing_schedule is not None
 
+    @property
+    def timing_counts(self) -> tuple[int, ...]:
+        """The microbatches per step the timing plans run at: without a pipeline, of (1, 2) only 2,
+        whose first microbatch's collectives are what one microbatch fewer lacks."""
+        if self.timing_schedule is None and self.timing_microbatches == (1, 2):
+            return (2,)
+        return self.timing_microbatches
+
     def lookup(self, timing: bool) -> Callable[[Key], RankPlan]:
         """The finished timing (or peak) plans by depth_scaling's keys."""
-        return lambda key: self.results[self.plan_key(key, timing)]
+        def plan_of(key: Key) -> RankPlan:
+            rank, mode, blocks, rows, microbatches = key
+            if timing and microbatches not in self.timing_counts:
+                return one_microbatch_fewer(self.results[self.plan_key((rank, mode, blocks, rows, 2), True)])
+            return self.results[self.plan_key(key, timing)]
+        return plan_of
 
     @property
     def per_rank(self) -> int:
@@ -160,7 +173,7 @@ class _Piece:
     def base(self) -> list[PlanKey]:
         """The plans every layout of the piece is timed from: no AC, one row, each planned count; at
         two blocks per stage the first rank only (what a block adds is the same on every stage)."""
-        return [self.plan_key((rank, "none", k, 1, m), True) for m in self.timing_microbatches
+        return [self.plan_key((rank, "none", k, 1, m), True) for m in self.timing_counts
                 for k in self.depths["none"] for rank in self.ranks if k == 1 or rank == self.ranks[0]]
 
     def keys(self, mode: str, rows: int) -> list[PlanKey]:
@@ -252,14 +265,14 @@ def _piece(cfg: JobConfig, flags: dict[str, Any], world: int, spec: Any, args: A
 def _microbatches(piece: _Piece) -> tuple[tuple[int, ...], dict[int, int]]:
     """(the microbatches per step a piece's collectives are planned at, rows per microbatch → the
     microbatches its peaks are planned at). A step's collectives are linear in its microbatches, so
-    two counts give them at any count: without a pipeline 2 and 3, with one (its timing schedule)
-    1 and 2. The peak needs enough to fill the pipeline (pp × stages per rank) or, without one, to
+    two counts give them at any count: 1 and 2 (with a pipeline, by its timing schedule; the
+    first microbatch is also the last, which is exactly linear: a test holds the difference to the
+    next microbatch's). The peak needs enough to fill the pipeline (pp × stages per rank) or, without one, to
     accumulate gradients (2). A rank's real count, where smaller, is used as it is; a cut batch the
     trainer refuses falls back to the real one."""
     pp, per_rank = piece.dims.pp, piece.per_rank
     fill = 2 if pp == 1 else pp * piece.stages
-    first = 2 if pp == 1 else 1
-    micro = tuple(sorted({min(per_rank, first), min(per_rank, first + 1)}))
+    micro = tuple(sorted({1, min(per_rank, 2)}))
     if not all(piece.accepts(1, m, timing=True) for m in micro):
         micro = (per_rank,)
     peak_microbatches = {1: min(per_rank, fill) if piece.accepts(1, min(per_rank, fill)) else per_rank}

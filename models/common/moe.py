@@ -94,14 +94,25 @@ class GroupedExperts(nn.Module):
         return self.loop(x, counts)
 
     @staticmethod
+    def compute_dtype(x: torch.Tensor) -> torch.dtype:
+        """The dtype a matmul of x computes in: autocast's where it is on for x's device (layouts that
+        FSDP does not cast: x arrives in float32), else x's own."""
+        device = x.device.type
+        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+    @staticmethod
     def grouped_mm_takes(x: torch.Tensor) -> bool:
-        """Whether torch._grouped_mm takes these inputs on CUDA: bfloat16, in a torch that has it. Its
-        backward fails on CPU (docs/compatibility.md), so CPU takes the loop."""
-        return x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+        """Whether torch._grouped_mm takes these inputs on CUDA: bfloat16 compute, in a torch that has
+        it. Its backward fails on CPU (docs/compatibility.md), so CPU takes the loop."""
+        return GroupedExperts.compute_dtype(x) == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
     def grouped_mm(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """One grouped GEMM per projection."""
-        w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
+        """One grouped GEMM per projection, in the compute dtype: autocast leaves torch._grouped_mm's
+        inputs as they are (float32 in, float32 out on torch 2.14's CPU; CUDA's kernel takes bfloat16
+        only), so they are cast here as autocast casts a matmul's."""
+        dtype = self.compute_dtype(x)
+        w1, w2, w3 = (local_tensor(w).to(dtype) for w in (self.w1, self.w2, self.w3))
+        x = x.to(dtype)
         offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
         h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)

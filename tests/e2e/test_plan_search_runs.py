@@ -105,12 +105,12 @@ def test_search_prints_the_fastest_and_how_to_run_it():
 
 def test_search_where_nothing_fits_shows_the_smallest_without_planning_what_cannot_fit():
     # 1 MiB per device: the state alone exceeds it, so nothing is planned beyond the plans that time
-    # every layout (one rank × one and two blocks × two microbatch counts, no AC)
+    # every layout (one rank × one and two blocks at two microbatches, no AC)
     proc = plan("--search", "--json", "--world-size", "1", "--device-memory", "1MiB", "--reserve-gib", "0",
                 *MODEL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
-    assert result["ranked"] == [] and result["checked"] == 0 and result["planned"] == 4
+    assert result["ranked"] == [] and result["checked"] == 0 and result["planned"] == 2
     smallest = result["too_big"]
     assert smallest and all(r["peak_is_lower_bound"] and r["peak_gib"] > 1 / 1024 for r in smallest)
     text = plan("--search", "--world-size", "1", "--device-memory", "1MiB", "--reserve-gib", "0", *MODEL)
@@ -185,3 +185,51 @@ def test_a_pipelines_lower_bound_on_its_peak_holds_and_counts_its_forwards_in_fl
         state = max(state_floor(plan, s.replicas) for plan in s.states.values())
         planned = s.peak(s.layout.rows)
         assert state < s.floor <= planned == s.layout.peak, (s.layout.describe(), state, s.floor, planned)
+
+
+MOE = ["--config", "llama_debug", "--model.name", "moe", "--training.seq_len", "64",
+       "--training.global_batch_size", "8"]
+
+
+def test_a_steps_collectives_are_linear_from_its_first_microbatch():
+    """The search times a layout without a pipeline at two microbatches per step and scales its
+    collectives linearly: one microbatch fewer sends what the first of them did less (a step of one,
+    whose microbatch is also the last, is such a step), and the difference from 2 to 3 equals that
+    from 1 to 2, in bytes and calls."""
+    from components.config.loading import load_config
+    from planning.depth_scaling import one_microbatch_fewer
+    from planning.search import _piece, _plan
+    from training.assembly import load_model_family
+
+    layouts = [(MODEL, {}), (MODEL, {"parallelism.tensor_parallel_degree": 2}),
+               (MODEL, {"parallelism.data_parallel_replicate_degree": 2}),
+               (MODEL, {"parallelism.context_parallel_degree": 2}),
+               (MOE, {"parallelism.expert_parallel_degree": 2, "parallelism.tensor_parallel_degree": 2}),
+               (MOE, {"parallelism.tensor_parallel_degree": 4})]
+    jobs = []
+    for args, flags in layouts:
+        cfg = load_config(args)
+        spec, model_args = load_model_family(cfg)
+        piece = _piece(cfg, {"parallelism.data_parallel_shard_degree": -1,
+                             "parallelism.data_parallel_replicate_degree": 1} | flags, 4, spec, model_args,
+                       "cuda")
+        assert piece is not None and piece.timing_microbatches == (1, 2), flags
+        jobs += [(piece, piece.plan_key((0, "none", 2, 1, m), True)) for m in (1, 2, 3)]
+    _plan(jobs, 2)
+    for i, (_, flags) in enumerate(layouts):
+        piece = jobs[3 * i][0]
+        assert not piece.errors, (flags, piece.errors)
+        plans = [piece.results[key] for _, key in jobs[3 * i:3 * i + 3]]
+        for field in ("communication", "calls"):
+            tables = [getattr(p, field) for p in plans]
+            entries = {(dim, kind) for t in tables for dim, kinds in t.items() for kind in kinds}
+            assert entries, flags
+            for dim, kind in entries:
+                one, two, three = (t.get(dim, {}).get(kind, 0) for t in tables)
+                assert three - two == two - one, (flags, field, dim, kind, one, two, three)
+        # what the search times from: the plan at two microbatches and its first microbatch's own
+        derived = one_microbatch_fewer(plans[1])
+        for field in ("communication", "calls"):
+            assert {dim: {kind: n for kind, n in kinds.items() if n} for dim, kinds in
+                    getattr(derived, field).items()} == getattr(plans[0], field), (flags, field)
+        assert piece.base() == [piece.plan_key((0, "none", k, 1, 2), True) for k in (1, 2)]

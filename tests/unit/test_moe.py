@@ -76,6 +76,30 @@ def test_the_grouped_gemm_cuda_takes_equals_the_loop_the_cpu_takes():
         assert loop.abs().max() > 1
 
 
+def test_under_autocast_the_grouped_gemm_computes_in_its_dtype_as_the_loop_does():
+    # Layouts FSDP does not cast (TP, PP, DDP alone) run under bf16 autocast with float32 inputs: CUDA
+    # takes the grouped GEMM there too, casting as autocast casts the loop's matmuls.
+    torch.manual_seed(0)
+    experts = GroupedExperts(16, 8, 4)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_()
+    x = torch.randn(12, 16, requires_grad=True)
+    counts, grad = [3, 0, 5, 4], torch.randn(12, 16, dtype=torch.bfloat16)
+    assert not GroupedExperts.grouped_mm_takes(x)
+    results = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert GroupedExperts.grouped_mm_takes(x)
+        for path in (experts.loop, experts.grouped_mm):
+            out = path(x, counts)
+            assert out.dtype == torch.bfloat16
+            results.append((out, *torch.autograd.grad(out, (x, experts.w1, experts.w2, experts.w3), grad)))
+    for loop, grouped in zip(*results, strict=True):
+        assert grouped.dtype == loop.dtype
+        torch.testing.assert_close(grouped, loop, rtol=0.02, atol=0.02)
+        assert loop.abs().max() > 1
+
+
 def test_bias_steers_choice_not_weights_and_moves_against_load():
     moe = _layer()
     x = torch.randn(40, 16)

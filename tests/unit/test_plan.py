@@ -103,3 +103,12 @@ def test_a_cuda_plan_runs_the_experts_as_cuda_does_and_a_cpu_plan_as_the_cpu_doe
             {"grouped_mm torch.bfloat16"} if device_type == "cuda" else {"loop torch.float32"})
     # the same expert-parallel exchange either way
     assert results["cuda"].calls == results["cpu"].calls
+    # tensor parallel alone computes under autocast: float32 reaches the experts, which still take
+    # the grouped GEMM (it casts), as a CUDA run does
+    log.write_text("")
+    tp = load_config([*TINY, "--model.name", "moe", "--training.global_batch_size", "8",
+                      "--parallelism.tensor_parallel_degree", "2",
+                      "--parallelism.data_parallel_shard_degree", "1"])
+    [plan] = plan_module._run_tasks([(tp, 2, 0, "cuda", "none", True)], 1, keep_errors=True, start="fork")
+    assert not isinstance(plan, BaseException), plan
+    assert set(log.read_text().splitlines()) == {"grouped_mm torch.float32"}
