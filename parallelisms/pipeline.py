@@ -181,6 +181,7 @@ class PipelineRunner:
         self.has_first = any(s.stage_index == 0 for s in stages)
         self.has_last = any(s.stage_index == num_stages - 1 for s in stages)
         self.n_microbatches = n_microbatches
+        self.stages = stages
         self.schedule = build_schedule(schedule_name, stages, n_microbatches, self._scaled_loss)
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

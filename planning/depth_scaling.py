@@ -103,8 +103,8 @@ def _at_microbatches(one: RankPlan, two: RankPlan, planned: tuple[int, ...], mic
 
 
 def one_microbatch_fewer(plan: RankPlan) -> RankPlan:
-    """A rank planned at several microbatches per step without a pipeline, at one fewer: its
-    collectives less those of its first microbatch (what every microbatch but the last sends)."""
+    """A rank planned at several microbatches per step, at one fewer: its collectives less what one
+    microbatch adds (RankPlan.microbatch_communication). Not its peak, nor what its forwards keep."""
     def less(table: dict, first: dict) -> dict:
         return {dim: {kind: n - first.get(dim, {}).get(kind, 0) for kind, n in kinds.items()}
                 for dim, kinds in table.items()}

@@ -62,8 +62,8 @@ class RankPlan:
     moe_layers: int = 0  # layers routed by the balanced assumption
     forward_keeps: int = 0  # bytes a stage's second forward left alive for its backward (the least
     # over this rank's stages; 0 below two microbatches): what each forward in flight holds
-    # the collectives of the first of several microbatches without a pipeline (mesh dim → kind →
-    # bytes; calls alike): what each microbatch but the last adds, as one more adds to a step
+    # the collectives one more microbatch adds to the step (mesh dim → kind → bytes; calls alike):
+    # without a pipeline its first microbatch's, with one PipelineMicrobatchWatch's; empty below two
     microbatch_communication: dict[str, dict[str, int]] = field(default_factory=dict)
     microbatch_calls: dict[str, dict[str, int]] = field(default_factory=dict)
     seconds: float = 0.0  # how long planning this rank took
@@ -164,6 +164,64 @@ class PlannedStep(TrainStep):
             for key in list(counts):  # one middle microbatch measured: counted for all of them
                 counts[key] = old.get(key, 0) + (counts[key] - old.get(key, 0)) * middle
         return loss + self._microbatch(microbatches[-1], scale, last=True)
+
+
+class PipelineMicrobatchWatch:
+    """The collectives one more pipeline microbatch adds to a step: each stage's second forward and
+    first backward that is not its last (the step's first forward gathers FSDP's parameters, which
+    stay gathered; its last backward reduces the gradients), the last stage's second loss (loss
+    parallel reduces there), and the sends and receives, all per microbatch."""
+
+    def __init__(self, runner: Any, tracker: StepTracker) -> None:
+        self.tracker = tracker
+        self.bytes: dict[tuple[str, str], int] = {}
+        self.calls: dict[tuple[str, str], int] = {}
+        forwards: dict[int, int] = {}
+        backwards: set[int] = set()
+        for stage in runner.stages:
+            forward, backward, index = stage.forward_one_chunk, stage.backward_one_chunk, stage.stage_index
+
+            def counted_forward(*args: Any, _run: Callable = forward, _i: int = index, **kwargs: Any) -> Any:
+                forwards[_i] = forwards.get(_i, 0) + 1
+                return self._counted(_run, forwards[_i] == 2, *args, **kwargs)
+
+            def counted_backward(*args: Any, _run: Callable = backward, _i: int = index,
+                                 last_backward: bool = False, **kwargs: Any) -> Any:
+                first = not last_backward and _i not in backwards
+                if first:
+                    backwards.add(_i)
+                return self._counted(_run, first, *args, last_backward=last_backward, **kwargs)
+
+            stage.forward_one_chunk, stage.backward_one_chunk = counted_forward, counted_backward
+        losses, loss_fn = [0], runner.loss_fn
+
+        def counted_loss(*args: Any) -> Any:
+            losses[0] += 1
+            return self._counted(loss_fn, losses[0] == 2, *args)
+
+        runner.loss_fn = counted_loss
+
+    def _counted(self, run: Callable, count: bool, *args: Any, **kwargs: Any) -> Any:
+        if not count:
+            return run(*args, **kwargs)
+        t = self.tracker
+        before = dict(t.comm_bytes), dict(t.comm_calls)
+        out = run(*args, **kwargs)
+        tables = zip((self.bytes, self.calls), (t.comm_bytes, t.comm_calls), before, strict=True)
+        for total, now, old in tables:
+            for key, n in now.items():
+                if n != old.get(key, 0) and key[1] != "send/recv":  # the sends: per microbatch below
+                    total[key] = total.get(key, 0) + n - old.get(key, 0)
+        return out
+
+    def one_microbatch(self, microbatches: int) -> tuple[dict, dict]:
+        """(mesh dim, kind) → bytes, and → calls, of one microbatch (of a step of `microbatches`)."""
+        out = dict(self.bytes), dict(self.calls)
+        for table, counts in zip(out, (self.tracker.comm_bytes, self.tracker.comm_calls), strict=True):
+            for key, n in counts.items():
+                if key[1] == "send/recv":
+                    table[key] = n // microbatches
+        return out
 
 
 def allocate_fake(module: nn.Module) -> None:
@@ -310,8 +368,11 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
         opt.make_state()
     tracker.reset_peak()
     second_forwards = _second_forward_growth(parts, tracker)
+    watch = PipelineMicrobatchWatch(step.pipeline, tracker) if step.pipeline is not None else None
     step(_microbatches(cfg, dims, global_batch, args.vocab_size))
     tracker.finish()
+    if watch is not None and step.pipeline.n_microbatches >= 2:
+        step.first_microbatch = watch.one_microbatch(step.pipeline.n_microbatches)
     sizes = state_bytes(parts, optimizers)
     communication, calls = _by_dim(tracker.comm_bytes), _by_dim(tracker.comm_calls)
     microbatch_communication, microbatch_calls = (_by_dim(t) for t in step.first_microbatch or ({}, {}))

@@ -138,11 +138,9 @@ class _Piece:
 
     @property
     def timing_counts(self) -> tuple[int, ...]:
-        """The microbatches per step the timing plans run at: without a pipeline, of (1, 2) only 2,
-        whose first microbatch's collectives are what one microbatch fewer lacks."""
-        if self.timing_schedule is None and self.timing_microbatches == (1, 2):
-            return (2,)
-        return self.timing_microbatches
+        """The microbatches per step the timing plans run at: of (1, 2) only 2, which tells what one
+        more microbatch sends (RankPlan.microbatch_communication), so what one fewer does."""
+        return (2,) if self.timing_microbatches == (1, 2) else self.timing_microbatches
 
     def lookup(self, timing: bool) -> Callable[[Key], RankPlan]:
         """The finished timing (or peak) plans by depth_scaling's keys."""
@@ -209,7 +207,7 @@ class _Sized:
         """A lower bound on the peak, known before its plans: the state; and a pipeline without AC
         holds, at its first rank's first backward, the state and every forward in flight, each at
         least what the second forward of its timing plans kept (and at least those plans' peak with
-        one microbatch, whose first backward finds as much alive)."""
+        one microbatch, whose first backward finds as much alive, where one was planned)."""
         bound = max(state_floor(s, self.replicas) for s in self.states.values())
         p = self.piece
         if p.timing_schedule is None or self.layout.ac_mode != "none" or p.timing_microbatches != (1, 2):
@@ -217,8 +215,9 @@ class _Sized:
         first, plan_of = p.ranks[0], p.lookup(True)  # the only rank timed at two blocks per stage
         blocks = p.first_rank_blocks  # its stages' own (fewest), not the average: a split can be uneven
         state = rank_state(plan_of, first, blocks, p.timing_microbatches, 1, 1, self.replicas, first)
-        one = rank_peak(plan_of, state, first, "none", p.depths["none"], {1: 1}, blocks, 1, self.replicas,
-                        False)
+        # the peak of one microbatch, where it was planned (not where its collectives are derived)
+        one = (rank_peak(plan_of, state, first, "none", p.depths["none"], {1: 1}, blocks, 1, self.replicas,
+                         False) if 1 in p.timing_counts else 0)
         keeps = linear(*(plan_of((first, "none", k, 1, 2)).forward_keeps for k in p.depths["none"]), blocks)
         schedule = p.flags["parallelism.pipeline_parallel_schedule"]
         # counted at one row per microbatch: more rows per microbatch keep more in each forward
@@ -459,7 +458,7 @@ def search(cfg: JobConfig, world: int, device: Device, *, device_type: str = "cu
         _check_fastest(ready, device, top, workers, result, too_big_rows)
         if len(result.ranked) >= top or not untimed:
             break
-        batch = _next_pieces(untimed, 4 * workers)
+        batch = _next_pieces(untimed, 2 * workers)
         jobs = [(piece, key) for piece in batch for key in piece.base()]
         _plan(jobs, workers)  # without AC at one row: the collectives of all the pieces' layouts
         result.planned += len(jobs)

@@ -233,3 +233,43 @@ def test_a_steps_collectives_are_linear_from_its_first_microbatch():
             assert {dim: {kind: n for kind, n in kinds.items() if n} for dim, kinds in
                     getattr(derived, field).items()} == getattr(plans[0], field), (flags, field)
         assert piece.base() == [piece.plan_key((0, "none", k, 1, 2), True) for k in (1, 2)]
+
+
+@pytest.mark.parametrize("args,flags", [
+    (MODEL, {"parallelism.tensor_parallel_degree": 2, "parallelism.pipeline_parallel_schedule": "1F1B"}),
+    (MODEL, {"parallelism.tensor_parallel_degree": 2,
+             "parallelism.pipeline_parallel_schedule": "Interleaved1F1B"}),
+    (MOE, {"parallelism.expert_parallel_degree": 2,
+           "parallelism.pipeline_parallel_schedule": "Interleaved1F1B"})])
+def test_a_pipeline_step_less_one_microbatch_is_the_step_of_one_fewer(args, flags):
+    """A pipeline is timed at two microbatches (by GPipe or LoopedBFS); what one more microbatch adds
+    (each stage's second forward and first backward that is not its last, the second loss and the
+    sends) taken away gives the step of one, on the first stage's rank and the last's, in bytes and
+    calls; and the step is linear in its microbatches (1, 2, 3)."""
+    from components.config.loading import load_config
+    from planning.depth_scaling import one_microbatch_fewer
+    from planning.search import _piece, _plan
+    from training.assembly import load_model_family
+
+    cfg = load_config(args)
+    spec, model_args = load_model_family(cfg)
+    flags = flags | {"parallelism.pipeline_parallel_degree": 2, "parallelism.data_parallel_shard_degree": -1,
+                     "parallelism.data_parallel_replicate_degree": 1}
+    piece = _piece(cfg, flags, 4, spec, model_args, "cuda")
+    assert piece.timing_counts == (2,) and piece.timing_schedule in ("GPipe", "LoopedBFS")
+    keys = {(rank, m): piece.plan_key((rank, "none", 2, 1, m), True)
+            for rank in piece.ranks for m in (1, 2, 3)}
+    _plan([(piece, key) for key in keys.values()], 2)
+    assert not piece.errors, piece.errors
+    for rank in piece.ranks:
+        plans = [piece.results[keys[(rank, m)]] for m in (1, 2, 3)]
+        derived = one_microbatch_fewer(plans[1])
+        for field in ("communication", "calls"):
+            assert {dim: {kind: n for kind, n in kinds.items() if n} for dim, kinds in
+                    getattr(derived, field).items()} == getattr(plans[0], field), (rank, field)
+            tables = [getattr(p, field) for p in plans]
+            for dim, kinds in tables[2].items():
+                for kind, three in kinds.items():
+                    one, two = (t.get(dim, {}).get(kind, 0) for t in tables[:2])
+                    assert three - two == two - one, (rank, field, dim, kind, one, two, three)
+        assert plans[1].microbatch_communication["pp"]["send/recv"] > 0
