@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import logging
 import multiprocessing
 import os
@@ -235,7 +236,19 @@ def _run_tasks(tasks: list[tuple], workers: int, *, keep_errors: bool = False, s
     each child's imports, for a parent that has imported everything and built no process group."""
     if len(tasks) == 1 and not keep_errors:
         return [_plan_task(tasks[0])]
-    context = multiprocessing.get_context(start)
+    if start == "fork":
+        # A forked child's collections would walk every object it inherits, and write to the pages
+        # they sit on (copy-on-write): frozen, they are skipped. A third of a small plan's time.
+        gc.freeze()
+    try:
+        return _run_children(tasks, workers, keep_errors, multiprocessing.get_context(start))
+    finally:
+        if start == "fork":
+            gc.unfreeze()
+
+
+def _run_children(tasks: list[tuple], workers: int, keep_errors: bool, context: Any) -> list[Any]:
+    """_run_tasks' processes, `workers` at once."""
     results: list[Any] = [None] * len(tasks)
     pending = list(enumerate(tasks))
     running: list[tuple[int, object, Connection]] = []
