@@ -11,6 +11,7 @@ the steady state the plan reports (its peak and its collectives).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -133,12 +134,8 @@ class PlannedStep(TrainStep):
     def _microbatch(self, microbatch: Microbatch, scale: float, last: bool) -> torch.Tensor:
         if last or self.first_microbatch is not None:
             return super()._microbatch(microbatch, scale, last)
-        before = dict(self.tracker.comm_bytes), dict(self.tracker.comm_calls)
-        loss = super()._microbatch(microbatch, scale, last)
-        self.first_microbatch = tuple(  # type: ignore[assignment]
-            {key: n - old.get(key, 0) for key, n in now.items() if n != old.get(key, 0)}
-            for now, old in zip((self.tracker.comm_bytes, self.tracker.comm_calls), before, strict=True))
-        return loss
+        with self.tracker.collectives_during() as self.first_microbatch:
+            return super()._microbatch(microbatch, scale, last)
 
     def count_tokens(self, microbatches: Batch) -> tuple[torch.Tensor, float]:
         local = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -158,11 +155,11 @@ class PlannedStep(TrainStep):
         if middle <= 1:
             return super()._forward_backward(microbatches, scale)
         loss = self._microbatch(microbatches[0], scale, last=False)
-        before = dict(self.tracker.comm_bytes), dict(self.tracker.comm_calls)
-        loss = loss + self._microbatch(microbatches[1], scale, last=False)
-        for counts, old in zip((self.tracker.comm_bytes, self.tracker.comm_calls), before, strict=True):
-            for key in list(counts):  # one middle microbatch measured: counted for all of them
-                counts[key] = old.get(key, 0) + (counts[key] - old.get(key, 0)) * middle
+        with self.tracker.collectives_during() as added:
+            loss = loss + self._microbatch(microbatches[1], scale, last=False)
+        for counts, one in zip((self.tracker.comm_bytes, self.tracker.comm_calls), added, strict=True):
+            for key, n in one.items():  # one middle microbatch measured: counted for all of them
+                counts[key] += n * (middle - 1)
         return loss + self._microbatch(microbatches[-1], scale, last=True)
 
 
@@ -193,25 +190,22 @@ class PipelineMicrobatchWatch:
                 return self._counted(_run, first, *args, last_backward=last_backward, **kwargs)
 
             stage.forward_one_chunk, stage.backward_one_chunk = counted_forward, counted_backward
-        losses, loss_fn = [0], runner.loss_fn
+        losses, loss_fn = itertools.count(1), runner.loss_fn
 
         def counted_loss(*args: Any) -> Any:
-            losses[0] += 1
-            return self._counted(loss_fn, losses[0] == 2, *args)
+            return self._counted(loss_fn, next(losses) == 2, *args)
 
         runner.loss_fn = counted_loss
 
     def _counted(self, run: Callable, count: bool, *args: Any, **kwargs: Any) -> Any:
         if not count:
             return run(*args, **kwargs)
-        t = self.tracker
-        before = dict(t.comm_bytes), dict(t.comm_calls)
-        out = run(*args, **kwargs)
-        tables = zip((self.bytes, self.calls), (t.comm_bytes, t.comm_calls), before, strict=True)
-        for total, now, old in tables:
-            for key, n in now.items():
-                if n != old.get(key, 0) and key[1] != "send/recv":  # the sends: per microbatch below
-                    total[key] = total.get(key, 0) + n - old.get(key, 0)
+        with self.tracker.collectives_during() as added:
+            out = run(*args, **kwargs)
+        for total, one in zip((self.bytes, self.calls), added, strict=True):
+            for key, n in one.items():
+                if key[1] != "send/recv":  # the sends: per microbatch, see one_microbatch
+                    total[key] = total.get(key, 0) + n
         return out
 
     def one_microbatch(self, microbatches: int) -> tuple[dict, dict]:
@@ -371,11 +365,12 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
     watch = PipelineMicrobatchWatch(step.pipeline, tracker) if step.pipeline is not None else None
     step(_microbatches(cfg, dims, global_batch, args.vocab_size))
     tracker.finish()
+    one_more = step.first_microbatch  # without a pipeline; with one:
     if watch is not None and step.pipeline.n_microbatches >= 2:
-        step.first_microbatch = watch.one_microbatch(step.pipeline.n_microbatches)
+        one_more = watch.one_microbatch(step.pipeline.n_microbatches)
     sizes = state_bytes(parts, optimizers)
     communication, calls = _by_dim(tracker.comm_bytes), _by_dim(tracker.comm_calls)
-    microbatch_communication, microbatch_calls = (_by_dim(t) for t in step.first_microbatch or ({}, {}))
+    microbatch_communication, microbatch_calls = (_by_dim(t) for t in one_more or ({}, {}))
     bubble = (schedule_bubble(step.pipeline.schedule, built.num_stages).fraction
               if step.pipeline is not None else None)
     buffers = sum(local_tensor(b).untyped_storage().nbytes() for part in parts for b in part.buffers())

@@ -14,9 +14,10 @@ keeps this smaller tracker that counts storages only.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import wraps
 from typing import Any
 
@@ -174,6 +175,16 @@ class StepTracker(TorchDispatchMode):
     def finish(self) -> None:
         """Take the breakdown of a peak that memory never fell from."""
         self._snapshot_peak()
+
+    @contextlib.contextmanager
+    def collectives_during(self) -> Iterator[tuple[dict[tuple[str, str], int], dict[tuple[str, str], int]]]:
+        """(mesh dim, kind) → bytes, and → calls, of the collectives issued inside the block (filled
+        in when it ends)."""
+        before = dict(self.comm_bytes), dict(self.comm_calls)
+        added: tuple[dict, dict] = ({}, {})
+        yield added
+        for table, now, old in zip(added, (self.comm_bytes, self.comm_calls), before, strict=True):
+            table.update({key: n - old.get(key, 0) for key, n in now.items() if n != old.get(key, 0)})
 
     # ----------------------------------------------------------------- mode
 
