@@ -14,9 +14,9 @@ predicted at (their compute over their least bubble, as if nothing were communic
 layout faster than any untimed one could be is checked at once — fastest first, its peak planned
 (its AC mode at one and two rows per microbatch) until `top` of them fit. The layouts still untimed
 then could not have been among them: the ranking is the one timing every layout would give. Not
-planned at all: a layout whose peak has a lower bound above the device (its state; under a pipeline
-without AC, also every forward in flight at the first backward), and one whose fewer rows per
-microbatch were already too big.
+planned at all: a layout whose peak has a lower bound above the device (its state; under a pipeline,
+also every forward in flight at the first backward, each keeping what two short plans in its AC mode
+show), and one whose fewer rows per microbatch were already too big.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 from components.config.parallel_options import ParallelOptions
@@ -168,6 +167,13 @@ class _Piece:
         return _checked(self.config(rows, microbatches, timing), self.spec, self.args, self.dims.world_size,
                         self.device_type) is not None
 
+    def keeps_keys(self, mode: str) -> list[PlanKey]:
+        """The plans whose second forward tells what each forward in flight keeps in AC `mode`: a
+        pipeline's first rank timed at two microbatches (without AC, among the base plans)."""
+        if self.timing_schedule is None or self.timing_microbatches != (1, 2):
+            return []
+        return [self.plan_key((self.ranks[0], mode, k, 1, 2), True) for k in self.depths[mode]]
+
     def base(self) -> list[PlanKey]:
         """The plans every layout of the piece is timed from: no AC, one row, each planned count; at
         two blocks per stage the first rank only (what a block adds is the same on every stage)."""
@@ -201,28 +207,35 @@ class _Sized:
     replicas: int
     states: dict[int, RankPlan]  # rank → its state and collectives at the model's depth
     one_microbatch: bool  # several rows per rank in one microbatch, without a pipeline
+    _floor: int | None = None  # the lower bound on the peak, once its keeps plans are done
 
-    @cached_property
+    @property
     def floor(self) -> int:
-        """A lower bound on the peak, known before its plans: the state; and a pipeline without AC
-        holds, at its first rank's first backward, the state and every forward in flight, each at
-        least what the second forward of its timing plans kept (and at least those plans' peak with
-        one microbatch, whose first backward finds as much alive, where one was planned)."""
+        """A lower bound on the peak, known before its plans: the state; and under a pipeline, once
+        its keeps plans are done (_Piece.keeps_keys), the state and every forward in flight at the
+        first rank's first backward, each holding at least what the second forward of those plans
+        kept in this layout's AC mode."""
+        if self._floor is not None:
+            return self._floor
         bound = max(state_floor(s, self.replicas) for s in self.states.values())
-        p = self.piece
-        if p.timing_schedule is None or self.layout.ac_mode != "none" or p.timing_microbatches != (1, 2):
+        p, mode = self.piece, self.layout.ac_mode
+        keys = p.keeps_keys(mode)
+        if not keys or not all(key in p.results for key in keys):
             return bound
-        first, plan_of = p.ranks[0], p.lookup(True)  # the only rank timed at two blocks per stage
+        first = p.ranks[0]  # the only rank timed at two blocks per stage
         blocks = p.first_rank_blocks  # its stages' own (fewest), not the average: a split can be uneven
-        state = rank_state(plan_of, first, blocks, p.timing_microbatches, 1, 1, self.replicas, first)
-        # the peak of one microbatch, where it was planned (not where its collectives are derived)
-        one = (rank_peak(plan_of, state, first, "none", p.depths["none"], {1: 1}, blocks, 1, self.replicas,
-                         False) if 1 in p.timing_counts else 0)
-        keeps = linear(*(plan_of((first, "none", k, 1, 2)).forward_keeps for k in p.depths["none"]), blocks)
+        state = rank_state(p.lookup(True), first, blocks, p.timing_microbatches, 1, 1, self.replicas, first)
+        keeps = linear(*(p.results[key].forward_keeps for key in keys), blocks, p.depths[mode])
         schedule = p.flags["parallelism.pipeline_parallel_schedule"]
         # counted at one row per microbatch: more rows per microbatch keep more in each forward
         in_flight = forwards_before_first_backward(schedule, p.dims.pp, p.stages, p.peak_microbatches[1])
-        return int(max(bound, one, state_floor(state, self.replicas) + in_flight * keeps))
+        self._floor = int(max(bound, state_floor(state, self.replicas) + in_flight * keeps))
+        return self._floor
+
+    def keeps_missing(self) -> list[PlanKey]:
+        """The keeps plans of this layout's AC mode not yet run (none without a pipeline)."""
+        p = self.piece
+        return [k for k in p.keeps_keys(self.layout.ac_mode) if k not in p.results and k not in p.errors]
 
     @property
     def group(self) -> tuple:
@@ -383,18 +396,20 @@ def _check_fastest(sized: list[_Sized], device: Device, top: int, workers: int, 
         if len(result.ranked) >= top:
             break
         lay, piece = s.layout, s.piece
+        # what a forward keeps first (a few short plans), which may bound the peak above the device
+        while (s.keeps_missing() or s.needs()) and s.floor <= capacity \
+                and not piece.failed(lay.ac_mode, lay.rows) and not skipped(s):
+            jobs = _next_jobs(sized[i:], capacity, workers, skipped)
+            if not jobs:
+                break
+            _plan(jobs, workers)
+            result.planned += len(jobs)
         if s.floor > capacity:  # no plan can change that
             _set_peak(lay, s.floor, device)
             lay.peak_is_lower_bound = True
             result.floored += 1
             result.too_big.append(lay)
             continue
-        while s.needs() and not piece.failed(lay.ac_mode, lay.rows) and not skipped(s):
-            jobs = _next_jobs(sized[i:], capacity, workers, skipped)
-            if not jobs:
-                break
-            _plan(jobs, workers)
-            result.planned += len(jobs)
         if piece.failed(lay.ac_mode, lay.rows):
             continue
         if s.needs():  # skipped
@@ -420,7 +435,7 @@ def _next_jobs(sized: list[_Sized], capacity: float, workers: int, skipped: Call
         if s.piece.failed(s.layout.ac_mode, s.layout.rows) or s.floor > capacity or skipped(s):
             continue
         gate = s.piece.missing(s.layout.ac_mode, 1) if not s.one_microbatch else []
-        for key in gate or s.needs():
+        for key in s.keeps_missing() or gate or s.needs():
             jobs.setdefault((id(s.piece), key), (s.piece, key))
     return list(jobs.values())
 

@@ -161,9 +161,10 @@ def test_a_block_adds_the_same_on_the_last_stage_as_on_the_first(world, args, sc
 
 def test_a_pipelines_lower_bound_on_its_peak_holds_and_counts_its_forwards_in_flight(monkeypatch):
     """The search skips a layout whose peak has a lower bound above the device. Under a pipeline
-    without AC that bound counts the forwards in flight at the first backward: it is above the state
-    alone, and below the peak planned with the layout's own schedule (here; scaled to a deeper
-    model's stages that peak can fall below the bound, and the search takes the bound)."""
+    that bound counts the forwards in flight at the first backward, each holding what a forward
+    keeps in the layout's AC mode: it is above the state alone, and below the peak planned with the
+    layout's own schedule (here; scaled to a deeper model's stages that peak can fall below the
+    bound, and the search takes the bound)."""
     import planning.search as search_module
     from components.config.loading import load_config
     from planning.depth_scaling import state_floor
@@ -179,12 +180,21 @@ def test_a_pipelines_lower_bound_on_its_peak_holds_and_counts_its_forwards_in_fl
     monkeypatch.setattr(search_module, "_check_fastest", noted)
     cfg = load_config([*MODEL, "--training.global_batch_size", "16"])
     search_module.search(cfg, 2, DEVICES["h100"], top=100)  # every layout checked
-    bounded = [s for s in checked if s.piece.dims.pp > 1 and s.layout.ac_mode == "none"]
-    assert {s.piece.stages for s in bounded} == {1, 2}  # 1F1B and Interleaved1F1B
+    bounded = [s for s in checked if s.piece.dims.pp > 1]
+    assert {(s.piece.stages, s.layout.ac_mode) for s in bounded} == {  # 1F1B and Interleaved1F1B
+        (stages, mode) for stages in (1, 2) for mode in ("none", "selective", "full")}
+    above = set()
     for s in bounded:
         state = max(state_floor(plan, s.replicas) for plan in s.states.values())
         planned = s.peak(s.layout.rows)
-        assert state < s.floor <= planned == s.layout.peak, (s.layout.describe(), state, s.floor, planned)
+        assert s._floor is not None  # its forwards were counted
+        assert state <= s.floor <= planned == s.layout.peak, (s.layout.describe(), state, s.floor, planned)
+        if s.floor > state:
+            above.add((s.piece.stages, s.layout.ac_mode))
+    # full AC keeps a block's input per forward: interleaved, a stage of this small model holds one
+    # block, and its forwards in flight stay below the last stage's state (its output layer)
+    assert above == {(stages, mode) for stages in (1, 2) for mode in ("none", "selective", "full")
+                     if (stages, mode) != (2, "full")}, above
 
 
 MOE = ["--config", "llama_debug", "--model.name", "moe", "--training.seq_len", "64",
