@@ -352,8 +352,8 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
                               else ([], []))
     grads: dict[str, int] = {}
     _watch_optimizers(optimizers, parts, tracker, grads)
-    tracker.gradient_storages = lambda: [local_tensor(p.grad).untyped_storage() for part in parts
-                                         for p in part.parameters() if p.grad is not None]
+    tracker.gradient_storages = lambda: [_storage(p.grad) for part in parts for p in part.parameters()
+                                         if p.grad is not None]
     cpu_options = dataclasses.replace(options, device_type="cpu")  # the fake tensors live on cpu
     step = build_train_step(cfg, built, optimizers, schedulers, dims, cpu_options, torch.device("cpu"),
                             global_batch, step_class=PlannedStep, stage_shapes=shapes)
@@ -381,6 +381,14 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
                     communication=communication, calls=calls, bubble=bubble, moe_layers=moe,
                     forward_keeps=min(second_forwards.values()) if len(second_forwards) == len(parts) else 0,
                     microbatch_communication=microbatch_communication, microbatch_calls=microbatch_calls)
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    """A tensor's storage (a DTensor's local one) without dispatching an op: asked for when memory is
+    freed, which may be inside activation checkpointing's recompute, whose ops must not change."""
+    from torch.distributed.tensor import DTensor
+
+    return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
 
 
 def _by_dim(counts: dict[tuple[str, str], int]) -> dict[str, dict[str, int]]:

@@ -277,11 +277,10 @@ def _piece(cfg: JobConfig, flags: dict[str, Any], world: int, spec: Any, args: A
 def _microbatches(piece: _Piece) -> tuple[tuple[int, ...], dict[int, int]]:
     """(the microbatches per step a piece's collectives are planned at, rows per microbatch → the
     microbatches its peaks are planned at). A step's collectives are linear in its microbatches, so
-    two counts give them at any count: 1 and 2 (with a pipeline, by its timing schedule; the
-    first microbatch is also the last, which is exactly linear: a test holds the difference to the
-    next microbatch's). The peak needs enough to fill the pipeline (pp × stages per rank) or, without one, to
-    accumulate gradients (2). A rank's real count, where smaller, is used as it is; a cut batch the
-    trainer refuses falls back to the real one."""
+    two counts give them at any count: 1 and 2 (with a pipeline, by its timing schedule), the step
+    of 1 known from the plan of 2 (_Piece.timing_counts). The peak needs enough to fill the pipeline
+    (pp × stages per rank) or, without one, to accumulate gradients (2). A rank's real count, where
+    smaller, is used as it is; a cut batch the trainer refuses falls back to the real one."""
     pp, per_rank = piece.dims.pp, piece.per_rank
     fill = 2 if pp == 1 else pp * piece.stages
     micro = tuple(sorted({1, min(per_rank, 2)}))
