@@ -55,21 +55,34 @@ def test_layer_matches_per_token_reference(changes):
         torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
 
 
-def test_the_grouped_gemm_cuda_takes_equals_the_loop_the_cpu_takes():
-    # bf16 on CPU runs both (the trainer keeps the CPU on the loop: docs/compatibility.md); an expert
-    # without rows included. The output's gradient is a full tensor, as a layer above gives it.
+COUNTS = [3, 0, 5, 4]  # rows per expert, an expert without rows included
+
+
+def _normal_experts() -> GroupedExperts:
     torch.manual_seed(0)
     experts = GroupedExperts(16, 8, 4)
     with torch.no_grad():
         for p in experts.parameters():
             p.normal_()
-    experts.to(torch.bfloat16)
-    x = torch.randn(12, 16, dtype=torch.bfloat16, requires_grad=True)
-    counts, grad = [3, 0, 5, 4], torch.randn(12, 16, dtype=torch.bfloat16)
+    return experts
+
+
+def _loop_and_grouped(experts: GroupedExperts, x: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """(output, gradients of x and the weights) by the loop, then by the grouped GEMM. The output's
+    gradient is a full tensor, as a layer above gives it."""
+    grad = torch.randn(x.shape[0], 16, dtype=torch.bfloat16)
     results = []
     for path in (experts.loop, experts.grouped_mm):
-        out = path(x, counts)
+        out = path(x, COUNTS)
         results.append((out, *torch.autograd.grad(out, (x, experts.w1, experts.w2, experts.w3), grad)))
+    return results
+
+
+def test_the_grouped_gemm_cuda_takes_equals_the_loop_the_cpu_takes():
+    # bf16 on CPU runs both (the trainer keeps the CPU on the loop: docs/compatibility.md)
+    experts = _normal_experts().to(torch.bfloat16)
+    x = torch.randn(12, 16, dtype=torch.bfloat16, requires_grad=True)
+    results = _loop_and_grouped(experts, x)
     assert GroupedExperts.grouped_mm_takes(x) and not GroupedExperts.grouped_mm_takes(x.float())
     for loop, grouped in zip(*results, strict=True):
         torch.testing.assert_close(grouped, loop, rtol=0.02, atol=0.02)
@@ -79,21 +92,13 @@ def test_the_grouped_gemm_cuda_takes_equals_the_loop_the_cpu_takes():
 def test_under_autocast_the_grouped_gemm_computes_in_its_dtype_as_the_loop_does():
     # Layouts FSDP does not cast (TP, PP, DDP alone) run under bf16 autocast with float32 inputs: CUDA
     # takes the grouped GEMM there too, casting as autocast casts the loop's matmuls.
-    torch.manual_seed(0)
-    experts = GroupedExperts(16, 8, 4)
-    with torch.no_grad():
-        for p in experts.parameters():
-            p.normal_()
+    experts = _normal_experts()
     x = torch.randn(12, 16, requires_grad=True)
-    counts, grad = [3, 0, 5, 4], torch.randn(12, 16, dtype=torch.bfloat16)
     assert not GroupedExperts.grouped_mm_takes(x)
-    results = []
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert GroupedExperts.grouped_mm_takes(x)
-        for path in (experts.loop, experts.grouped_mm):
-            out = path(x, counts)
-            assert out.dtype == torch.bfloat16
-            results.append((out, *torch.autograd.grad(out, (x, experts.w1, experts.w2, experts.w3), grad)))
+        results = _loop_and_grouped(experts, x)
+    assert all(out.dtype == torch.bfloat16 for out, *_ in results)
     for loop, grouped in zip(*results, strict=True):
         assert grouped.dtype == loop.dtype
         torch.testing.assert_close(grouped, loop, rtol=0.02, atol=0.02)
