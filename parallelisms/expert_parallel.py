@@ -70,16 +70,17 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 def _source_major_to_expert_major(counts: list[list[int]]) -> torch.Tensor:
-    """Row permutation from (source, expert) order to (expert, source) order for counts [S][E]."""
-    starts, at = [], 0
-    for row in counts:
-        starts.append([])
-        for c in row:
-            starts[-1].append(at)
-            at += c
-    pieces = [torch.arange(starts[s][e], starts[s][e] + counts[s][e])
-              for e in range(len(counts[0])) for s in range(len(counts))]
-    return torch.cat(pieces)
+    """Row permutation from (source, expert) order to (expert, source) order for counts [S][E]: each
+    (expert, source) block's rows, shifted from where the block starts among the received rows to
+    where it starts among the experts' — a dozen ops whatever S × E (one arange per block was
+    S × E tiny ops per MoE layer, hundreds at EP 64, each paid again by the planner's fake tensors)."""
+    sizes = torch.tensor(counts)
+    received = sizes.flatten()
+    block_starts = (received.cumsum(0) - received).view_as(sizes).t().flatten()
+    lengths = sizes.t().flatten()
+    shifts = block_starts - (lengths.cumsum(0) - lengths)
+    total = sum(map(sum, counts))
+    return torch.repeat_interleave(shifts, lengths, output_size=total) + torch.arange(total)
 
 
 def apply_ep(moe_layers: list[nn.Module], ep_mesh: DeviceMesh) -> None:

@@ -36,3 +36,20 @@ def test_expert_rows_are_sharded_when_experts_run_out(flavor, world, ep, local_r
         w1 = part.layers["0"].moe.experts.w1
         assert tuple(w1._local_tensor.shape) == (args.moe.num_experts // ep, local_rows, args.dim)
         dims.release()
+
+
+@pytest.mark.parametrize("counts", [[[3, 0, 2], [1, 4, 0]], [[0, 0], [0, 0]], [[5]],
+                                    [[0, 2, 1, 0], [2, 0, 0, 3], [1, 1, 1, 1]]])
+def test_received_rows_are_reordered_expert_major(counts):
+    """EP's received rows come grouped by source rank, then expert; the permutation lists, expert by
+    expert and source by source, the positions of that block's rows."""
+    from parallelisms.expert_parallel import _source_major_to_expert_major
+
+    starts, at = {}, 0
+    for s, row in enumerate(counts):
+        for e, n in enumerate(row):
+            starts[s, e] = at
+            at += n
+    expected = [starts[s, e] + i for e in range(len(counts[0])) for s in range(len(counts))
+                for i in range(counts[s][e])]
+    assert _source_major_to_expert_major(counts).tolist() == expected
