@@ -67,6 +67,9 @@ class RankPlan:
     # without a pipeline its first microbatch's, with one PipelineMicrobatchWatch's; empty below two
     microbatch_communication: dict[str, dict[str, int]] = field(default_factory=dict)
     microbatch_calls: dict[str, dict[str, int]] = field(default_factory=dict)
+    # (bytes alive, forwards in flight) as the rank's first two backwards began: what its pipelined
+    # peak holds at least at those moments, with more forwards in flight under another schedule
+    backward_starts: list[tuple[int, int]] = field(default_factory=list)
     seconds: float = 0.0  # how long planning this rank took
     ac_peaks: dict[str, int] = field(default_factory=dict)  # peak per activation-checkpoint mode
 
@@ -167,14 +170,17 @@ class PipelineMicrobatchWatch:
     """The collectives one more pipeline microbatch adds to a step: each stage's second forward and
     first backward that is not its last (the step's first forward gathers FSDP's parameters, which
     stay gathered; its last backward reduces the gradients), the last stage's second loss (loss
-    parallel reduces there), and the sends and receives, all per microbatch."""
+    parallel reduces there), and the sends and receives, all per microbatch. Also what is alive as
+    the rank's first two backwards begin (`backward_starts`)."""
 
     def __init__(self, runner: Any, tracker: StepTracker) -> None:
         self.tracker = tracker
         self.bytes: dict[tuple[str, str], int] = {}
         self.calls: dict[tuple[str, str], int] = {}
+        self.backward_starts: list[tuple[int, int]] = []
         forwards: dict[int, int] = {}
         backwards: set[int] = set()
+        run_backwards = itertools.count()
         for stage in runner.stages:
             forward, backward, index = stage.forward_one_chunk, stage.backward_one_chunk, stage.stage_index
 
@@ -184,6 +190,9 @@ class PipelineMicrobatchWatch:
 
             def counted_backward(*args: Any, _run: Callable = backward, _i: int = index,
                                  last_backward: bool = False, **kwargs: Any) -> Any:
+                done = next(run_backwards)
+                if done < 2:
+                    self.backward_starts.append((tracker.now, sum(forwards.values()) - done))
                 first = not last_backward and _i not in backwards
                 if first:
                     backwards.add(_i)
@@ -380,7 +389,8 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
                     optimizer_step_peak=tracker.phase_peak.get("optimizer step temporaries", 0),
                     communication=communication, calls=calls, bubble=bubble, moe_layers=moe,
                     forward_keeps=min(second_forwards.values()) if len(second_forwards) == len(parts) else 0,
-                    microbatch_communication=microbatch_communication, microbatch_calls=microbatch_calls)
+                    microbatch_communication=microbatch_communication, microbatch_calls=microbatch_calls,
+                    backward_starts=watch.backward_starts if watch is not None else [])
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:

@@ -212,9 +212,11 @@ class _Sized:
     @property
     def floor(self) -> int:
         """A lower bound on the peak, known before its plans: the state; and under a pipeline, once
-        its keeps plans are done (_Piece.keeps_keys), the state and every forward in flight at the
-        first rank's first backward, each holding at least what the second forward of those plans
-        kept in this layout's AC mode."""
+        its keeps plans are done (_Piece.keeps_keys), what the first rank holds as its first and
+        second backwards begin — the keeps plans' state, gathered parameters, gradients accumulated
+        so far and forwards in flight, with as many more forwards as the layout's schedule has in
+        flight then, each holding at least what the second forward of those plans kept in this
+        layout's AC mode."""
         if self._floor is not None:
             return self._floor
         bound = max(state_floor(s, self.replicas) for s in self.states.values())
@@ -224,12 +226,20 @@ class _Sized:
             return bound
         first = p.ranks[0]  # the only rank timed at two blocks per stage
         blocks = p.first_rank_blocks  # its stages' own (fewest), not the average: a split can be uneven
+        plans = [p.results[key] for key in keys]
         state = rank_state(p.lookup(True), first, blocks, p.timing_microbatches, 1, 1, self.replicas, first)
-        keeps = linear(*(p.results[key].forward_keeps for key in keys), blocks, p.depths[mode])
+        keeps = linear(*(plan.forward_keeps for plan in plans), blocks, p.depths[mode])
         schedule = p.flags["parallelism.pipeline_parallel_schedule"]
         # counted at one row per microbatch: more rows per microbatch keep more in each forward
         in_flight = forwards_before_first_backward(schedule, p.dims.pp, p.stages, p.peak_microbatches[1])
-        self._floor = int(max(bound, state_floor(state, self.replicas) + in_flight * keeps))
+        bounds = [bound, state_floor(state, self.replicas) + in_flight * keeps]
+        more_shards = state_floor(state, self.replicas) - state_floor(state, 1)  # HSDP: planned at 1
+        for k in range(min(len(plan.backward_starts) for plan in plans)):
+            alive = linear(*(plan.backward_starts[k][0] for plan in plans), blocks, p.depths[mode])
+            more = in_flight - k - plans[0].backward_starts[k][1]  # one backward done: one fewer
+            if more >= 0:
+                bounds.append(alive + more_shards + more * keeps)
+        self._floor = int(max(bounds))
         return self._floor
 
     def keeps_missing(self) -> list[PlanKey]:

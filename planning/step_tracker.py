@@ -39,6 +39,7 @@ _KINDS = {
 }
 
 
+_DEVICE_QUERY = torch.ops.prim.device.default
 # Reductions that take a dtype and cast their whole input to it first.
 _CASTING_REDUCTIONS = {torch.ops.aten.linalg_vector_norm, torch.ops.aten.sum, torch.ops.aten.mean,
                        torch.ops.aten.nansum, torch.ops.aten.prod}
@@ -219,6 +220,8 @@ class StepTracker(TorchDispatchMode):
         super().__exit__(*args)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func is _DEVICE_QUERY:  # asked of every fake tensor over and over; it allocates nothing
+            return func(*args, **(kwargs or {}))
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor turn itself into local ops first; those are counted
         kwargs = kwargs or {}

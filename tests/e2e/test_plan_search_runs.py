@@ -161,10 +161,11 @@ def test_a_block_adds_the_same_on_the_last_stage_as_on_the_first(world, args, sc
 
 def test_a_pipelines_lower_bound_on_its_peak_holds_and_counts_its_forwards_in_flight(monkeypatch):
     """The search skips a layout whose peak has a lower bound above the device. Under a pipeline
-    that bound counts the forwards in flight at the first backward, each holding what a forward
-    keeps in the layout's AC mode: it is above the state alone, and below the peak planned with the
-    layout's own schedule (here; scaled to a deeper model's stages that peak can fall below the
-    bound, and the search takes the bound)."""
+    that bound is what the first rank holds as its first two backwards begin, in short plans, with
+    the forwards the layout's schedule has in flight then, each holding what a forward keeps in the
+    layout's AC mode: it is above the state alone, and below the peak planned with the layout's own
+    schedule (here; scaled to a deeper model's stages that peak can fall below the bound, and the
+    search takes the bound)."""
     import planning.search as search_module
     from components.config.loading import load_config
     from planning.depth_scaling import state_floor
@@ -191,10 +192,11 @@ def test_a_pipelines_lower_bound_on_its_peak_holds_and_counts_its_forwards_in_fl
         assert state <= s.floor <= planned == s.layout.peak, (s.layout.describe(), state, s.floor, planned)
         if s.floor > state:
             above.add((s.piece.stages, s.layout.ac_mode))
-    # full AC keeps a block's input per forward: interleaved, a stage of this small model holds one
-    # block, and its forwards in flight stay below the last stage's state (its output layer)
-    assert above == {(stages, mode) for stages in (1, 2) for mode in ("none", "selective", "full")
-                     if (stages, mode) != (2, "full")}, above
+        # the timing schedule runs both microbatches' forwards on each local stage before a backward
+        in_flight = 2 * s.piece.stages
+        for key in s.piece.keeps_keys(s.layout.ac_mode):
+            assert [n for _, n in s.piece.results[key].backward_starts] == [in_flight, in_flight - 1]
+    assert above == {(stages, mode) for stages in (1, 2) for mode in ("none", "selective", "full")}, above
 
 
 MOE = ["--config", "llama_debug", "--model.name", "moe", "--training.seq_len", "64",
