@@ -10,6 +10,7 @@ the steady state the plan reports (its peak and its collectives).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -29,6 +30,7 @@ from components.runtime.tensor_utils import local_tensor
 from models import ModelSpec
 from parallelisms.materialize import to_empty_keeping_ties
 from planning.balanced_routing import balance_routing
+from planning.cuda_attention import cuda_attention
 from planning.fake_world import fake_world, mesh_group_names
 from planning.pipeline_bubble import schedule_bubble
 from planning.step_tracker import StepTracker
@@ -330,7 +332,8 @@ def plan_rank(cfg: JobConfig, spec: ModelSpec, args: Any, options: ParallelOptio
                                     device_type)
                       if probe is not None else None)
             tracker = StepTracker(fake, mesh_group_names(dims), device_type)
-            with tracker:
+            kernels = cuda_attention() if device_type == "cuda" else contextlib.nullcontext()
+            with tracker, kernels:
                 plan = _run_steps(cfg, args, dims, options, built, global_batch, tracker, shapes,
                                   with_optimizer, device_type)
         coordinates = (dict(zip(dims.world_mesh.mesh_dim_names, dims.world_mesh.get_coordinate(),

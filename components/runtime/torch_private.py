@@ -12,7 +12,8 @@ import re
 from typing import Any
 
 _SDPA_OPS = ("parallelisms/activation_checkpoint.py: outputs selective AC keeps; "
-             "parallelisms/attention_kernels.py: context parallel's chunk-pair forward")
+             "parallelisms/attention_kernels.py: context parallel's chunk-pair forward; "
+             "planning/cuda_attention.py: a CUDA plan's attention where the CPU has no fused kernel")
 
 
 _CP_BACKWARD = "parallelisms/attention_kernels.py: context parallel's chunk-pair backward"

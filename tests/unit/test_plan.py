@@ -3,6 +3,7 @@ a reduction into another dtype counts its copy of the input on CPU, and the plan
 result in its task's place. The planner against real runs, and its command line, are
 tests/e2e/test_plan_runs.py."""
 
+import contextlib
 import time
 
 import pytest
@@ -112,3 +113,68 @@ def test_a_cuda_plan_runs_the_experts_as_cuda_does_and_a_cpu_plan_as_the_cpu_doe
     [plan] = plan_module._run_tasks([(tp, 2, 0, "cuda", "none", True)], 1, keep_errors=True, start="fork")
     assert not isinstance(plan, BaseException), plan
     assert set(log.read_text().splitlines()) == {"grouped_mm torch.float32"}
+
+
+def test_a_cuda_plans_attention_keeps_no_score_matrix_where_only_the_cpu_would():
+    # Queries and values of different head dims (DeepSeek-V3's latent attention): the CPU computes
+    # SDPA by its math path, which keeps [heads, seq, seq] scores for backward, where a CUDA run's
+    # memory-efficient kernel keeps the output and log-sum-exp; a plan for CUDA runs that kernel.
+    # Equal head dims stay with torch's own choice, the CPU's flash kernel. (Forward only: a fake
+    # backward here would break the forked plans of the tests after it, see torch's Autograd-and-Fork.)
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from planning.cuda_attention import cuda_attention
+
+    seq = 40  # unlike every head dim
+
+    def attend(value_dim: int, planned_for_cuda: bool) -> tuple[str, set, tuple, torch.dtype]:
+        kept = set()
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            kept.add(tuple(t.shape))
+            return t
+
+        kernels = cuda_attention() if planned_for_cuda else contextlib.nullcontext()
+        with FakeTensorMode(), kernels, torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            q, k = (torch.randn(1, 2, seq, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+            v = torch.randn(1, 2, seq, value_dim, dtype=torch.bfloat16, requires_grad=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.grad_fn.name(), kept, tuple(out.shape), out.dtype
+
+    scores = (1, 2, seq, seq)
+    cpu_node, cpu_kept, *cpu_out = attend(48, planned_for_cuda=False)
+    assert scores in cpu_kept  # the math path
+    cuda_node, cuda_kept, *cuda_out = attend(48, planned_for_cuda=True)
+    assert cuda_node == "ScaledDotProductEfficientAttentionBackward0" and scores not in cuda_kept
+    assert cuda_out == cpu_out == [(1, 2, seq, 48), torch.bfloat16]
+    assert attend(64, planned_for_cuda=True)[0] == "ScaledDotProductFlashAttentionForCpuBackward0"
+    assert F.scaled_dot_product_attention.__module__ == "torch._C._nn"  # put back
+
+
+def test_a_cuda_plan_of_latent_attention_runs_cudas_kernel_and_a_cpu_plan_the_cpus(monkeypatch, tmp_path):
+    # DeepSeek-V3's queries and values differ in head dim (tiny: 24 and 16): the plan for CUDA takes
+    # planning/cuda_attention.py's kernel, the plan for the CPU torch's CPU path
+    import planning.cuda_attention as cuda_attention
+    import planning.plan as plan_module
+    from components.config.loading import load_config
+
+    log = tmp_path / "calls"
+    needs = cuda_attention._needs_cuda_kernel
+
+    def noted(*args):
+        answer = needs(*args)
+        with open(log, "a") as f:  # forked children write here
+            f.write(f"{answer}\n")
+        return answer
+
+    monkeypatch.setattr(cuda_attention, "_needs_cuda_kernel", noted)
+    cfg = load_config(["--config", "deepseek_v3_debug", "--model.flavor", "tiny", "--training.seq_len", "32",
+                       "--training.global_batch_size", "2", "--training.local_batch_size", "2"])
+    for device_type, calls in (("cuda", {"True"}), ("cpu", set())):
+        log.write_text("")
+        [plan] = plan_module._run_tasks([(cfg, 1, 0, device_type, "none", True)], 1, keep_errors=True,
+                                        start="fork")
+        assert not isinstance(plan, BaseException), plan
+        assert set(log.read_text().splitlines()) == calls, device_type
