@@ -69,9 +69,10 @@ class RankPlan:
     # without a pipeline its first microbatch's, with one PipelineMicrobatchWatch's; empty below two
     microbatch_communication: dict[str, dict[str, int]] = field(default_factory=dict)
     microbatch_calls: dict[str, dict[str, int]] = field(default_factory=dict)
-    # (bytes alive, forwards in flight) as the rank's first two backwards began: what its pipelined
-    # peak holds at least at those moments, with more forwards in flight under another schedule
-    backward_starts: list[tuple[int, int]] = field(default_factory=list)
+    # (bytes alive, forwards in flight, the most alive until it ended) as the rank's first two
+    # backwards began: what its pipelined peak holds at least then, with more forwards in flight
+    # under another schedule
+    backward_starts: list[tuple[int, int, int]] = field(default_factory=list)
     seconds: float = 0.0  # how long planning this rank took
     ac_peaks: dict[str, int] = field(default_factory=dict)  # peak per activation-checkpoint mode
 
@@ -179,7 +180,7 @@ class PipelineMicrobatchWatch:
         self.tracker = tracker
         self.bytes: dict[tuple[str, str], int] = {}
         self.calls: dict[tuple[str, str], int] = {}
-        self.backward_starts: list[tuple[int, int]] = []
+        self.backward_starts: list[tuple[int, int, int]] = []
         forwards: dict[int, int] = {}
         backwards: set[int] = set()
         run_backwards = itertools.count()
@@ -193,12 +194,15 @@ class PipelineMicrobatchWatch:
             def counted_backward(*args: Any, _run: Callable = backward, _i: int = index,
                                  last_backward: bool = False, **kwargs: Any) -> Any:
                 done = next(run_backwards)
-                if done < 2:
-                    self.backward_starts.append((tracker.now, sum(forwards.values()) - done))
                 first = not last_backward and _i not in backwards
                 if first:
                     backwards.add(_i)
-                return self._counted(_run, first, *args, last_backward=last_backward, **kwargs)
+                if done >= 2:
+                    return self._counted(_run, first, *args, last_backward=last_backward, **kwargs)
+                start = tracker.window_peak = tracker.now
+                out = self._counted(_run, first, *args, last_backward=last_backward, **kwargs)
+                self.backward_starts.append((start, sum(forwards.values()) - done, tracker.window_peak))
+                return out
 
             stage.forward_one_chunk, stage.backward_one_chunk = counted_forward, counted_backward
         losses, loss_fn = itertools.count(1), runner.loss_fn

@@ -114,6 +114,7 @@ class _Piece:
     device_type: str
     depths: dict[str, tuple[int, int]]  # AC mode → blocks per stage planned
     index: int = 0  # its place among the enumerated layouts (the ranking's tie-break)
+    rank_blocks: dict[int, float] = field(default_factory=dict)  # rank → blocks per stage of its own
     first_rank_blocks: int = 1  # blocks of the first rank's smallest stage
     timing_microbatches: tuple[int, ...] = (1,)  # microbatches per step the collectives are planned at
     peak_microbatches: dict[int, int] = field(default_factory=dict)  # rows per microbatch → microbatches
@@ -235,7 +236,10 @@ class _Sized:
         bounds = [bound, state_floor(state, self.replicas) + in_flight * keeps]
         more_shards = state_floor(state, self.replicas) - state_floor(state, 1)  # HSDP: planned at 1
         for k in range(min(len(plan.backward_starts) for plan in plans)):
-            alive = linear(*(plan.backward_starts[k][0] for plan in plans), blocks, p.depths[mode])
+            # the most alive in the first backward, which runs as the schedule's first does (its
+            # second is the plan's last of a stage, which reduces the gradients; the schedule's not)
+            alive = linear(*(plan.backward_starts[k][2 if k == 0 else 0] for plan in plans), blocks,
+                           p.depths[mode])
             more = in_flight - k - plans[0].backward_starts[k][1]  # one backward done: one fewer
             if more >= 0:
                 bounds.append(alive + more_shards + more * keeps)
@@ -259,7 +263,8 @@ class _Sized:
         p, mode = self.piece, self.layout.ac_mode
         one = self.one_microbatch and rows == self.layout.rows
         return max(rank_peak(p.lookup(False), self.states[rank], rank, mode, p.depths[mode],
-                             p.peak_microbatches, p.blocks, rows, self.replicas, one) for rank in p.ranks)
+                             p.peak_microbatches, p.rank_blocks[rank], rows, self.replicas, one)
+                   for rank in p.ranks)
 
 
 def _piece(cfg: JobConfig, flags: dict[str, Any], world: int, spec: Any, args: Any, device_type: str
@@ -276,9 +281,13 @@ def _piece(cfg: JobConfig, flags: dict[str, Any], world: int, spec: Any, args: A
     piece = _Piece(flags, changed, dims, batch, args.n_layers / (dims.pp * stages),
                    default_ranks(world, dims.pp), stages, spec, args, device_type,
                    {mode: _depths(mode, option) for mode in AC_MODES})
-    if dims.pp > 1:
+    piece.rank_blocks = dict.fromkeys(piece.ranks, piece.blocks)
+    if dims.pp > 1:  # a split can be uneven: the first and last stages take a block fewer
         layers = stage_layers(args.n_layers, dims.pp, ParallelOptions.from_config(changed, device_type))
         schedule = changed.parallelism.pipeline_parallel_schedule
+        for rank in piece.ranks:
+            own = [len(layers[i]) for i in stage_ids(rank // (world // dims.pp), dims.pp, schedule)]
+            piece.rank_blocks[rank] = sum(own) / len(own)
         piece.first_rank_blocks = min(len(layers[i]) for i in stage_ids(0, dims.pp, schedule))
     piece.timing_microbatches, piece.peak_microbatches = _microbatches(piece)
     return piece
@@ -368,7 +377,7 @@ def _size(piece: _Piece, device: Device, flops_per_token: float, seq_len: int, r
     bubble = closed_form_bubble(d.pp, piece.stages, microbatches)
     states, steps = {}, []
     for rank in piece.ranks:
-        state = rank_state(piece.lookup(True), rank, piece.blocks, piece.timing_microbatches,
+        state = rank_state(piece.lookup(True), rank, piece.rank_blocks[rank], piece.timing_microbatches,
                            microbatches, per_rank, replicas, first=piece.ranks[0])
         states[rank] = state
         steps.append(predict(flops_per_token * tokens / d.world_size, bubble, state.communication,

@@ -70,6 +70,7 @@ class StepTracker(TorchDispatchMode):
         self.group_names = group_names
         self.live: dict[str, int] = defaultdict(int)  # bytes alive now, by category
         self.peak = 0
+        self.window_peak = 0  # the most alive since a caller last set it (to `now`)
         self.peak_by_category: dict[str, int] = {}
         self.phase_peak: dict[str, int] = defaultdict(int)  # the peak while each label was current
         self.category = "activations and temporaries"
@@ -145,6 +146,7 @@ class StepTracker(TorchDispatchMode):
 
     def _update_peak(self) -> None:
         now = self.now
+        self.window_peak = max(self.window_peak, now)
         if now > self.phase_peak[self.category]:
             self.phase_peak[self.category] = now
         if now > self.peak:

@@ -161,9 +161,9 @@ def test_a_block_adds_the_same_on_the_last_stage_as_on_the_first(world, args, sc
 
 def test_a_pipelines_lower_bound_on_its_peak_holds_and_counts_its_forwards_in_flight(monkeypatch):
     """The search skips a layout whose peak has a lower bound above the device. Under a pipeline
-    that bound is what the first rank holds as its first two backwards begin, in short plans, with
-    the forwards the layout's schedule has in flight then, each holding what a forward keeps in the
-    layout's AC mode: it is above the state alone, and below the peak planned with the layout's own
+    that bound is what the first rank holds as its first two backwards begin (the first: at its
+    most), in short plans, with the forwards the layout's schedule has in flight then, each holding
+    what a forward keeps in the layout's AC mode: it is above the state alone, and below the peak planned with the layout's own
     schedule (here; scaled to a deeper model's stages that peak can fall below the bound, and the
     search takes the bound)."""
     import planning.search as search_module
@@ -195,7 +195,9 @@ def test_a_pipelines_lower_bound_on_its_peak_holds_and_counts_its_forwards_in_fl
         # the timing schedule runs both microbatches' forwards on each local stage before a backward
         in_flight = 2 * s.piece.stages
         for key in s.piece.keeps_keys(s.layout.ac_mode):
-            assert [n for _, n in s.piece.results[key].backward_starts] == [in_flight, in_flight - 1]
+            starts = s.piece.results[key].backward_starts
+            assert [n for _, n, _ in starts] == [in_flight, in_flight - 1]
+            assert all(alive < most for alive, _, most in starts)  # a backward makes gradients
     assert above == {(stages, mode) for stages in (1, 2) for mode in ("none", "selective", "full")}, above
 
 
