@@ -15,8 +15,9 @@ layout faster than any untimed one could be is checked at once — fastest first
 (its AC mode at one and two rows per microbatch) until `top` of them fit. The layouts still untimed
 then could not have been among them: the ranking is the one timing every layout would give. Not
 planned at all: a layout whose peak has a lower bound above the device (its state; under a pipeline,
-also every forward in flight at the first backward, each keeping what two short plans in its AC mode
-show), and one whose fewer rows per microbatch were already too big.
+what the first rank holds in the first backwards of two short plans in its AC mode, with every
+forward the layout's schedule has in flight then; and once planned, each rank's peak at the fewest
+blocks, before the deeper plans), and one whose fewer rows per microbatch were already too big.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from components.config.sections import JobConfig
 from components.runtime.errors import KilnError
 from parallelisms.layout_checks import stage_layers
 from parallelisms.pipeline import stage_ids
-from planning.depth_scaling import Key, linear, one_microbatch_fewer, rank_peak, rank_state, state_floor
+from planning.depth_scaling import Key, held, linear, one_microbatch_fewer, rank_peak, rank_state, state_floor
 from planning.devices import Device
 from planning.layout_space import SCHEDULES, closed_form_bubble, configured, enumerate_layouts, rows_options
 from planning.pipeline_bubble import forwards_before_first_backward
@@ -175,6 +176,13 @@ class _Piece:
             return []
         return [self.plan_key((self.ranks[0], mode, k, 1, 2), True) for k in self.depths[mode]]
 
+    def first_peaks(self, mode: str) -> list[PlanKey]:
+        """Under a pipeline, every planned rank's peak plan in AC `mode` at its fewest blocks, one row."""
+        if self.dims.pp == 1:
+            return []
+        return [self.plan_key((rank, mode, self.depths[mode][0], 1, self.peak_microbatches[1]), False)
+                for rank in self.ranks]
+
     def base(self) -> list[PlanKey]:
         """The plans every layout of the piece is timed from: no AC, one row, each planned count; at
         two blocks per stage the first rank only (what a block adds is the same on every stage)."""
@@ -212,12 +220,28 @@ class _Sized:
 
     @property
     def floor(self) -> int:
-        """A lower bound on the peak, known before its plans: the state; and under a pipeline, once
-        its keeps plans are done (_Piece.keeps_keys), what the first rank holds as its first and
-        second backwards begin — the keeps plans' state, gathered parameters, gradients accumulated
-        so far and forwards in flight, with as many more forwards as the layout's schedule has in
-        flight then, each holding at least what the second forward of those plans kept in this
-        layout's AC mode."""
+        """A lower bound on the peak: the state, then under a pipeline what its short plans show
+        (_keeps_floor) and, once its ranks' peaks at the fewest blocks are planned, those."""
+        return max(self._keeps_floor(), self._first_peaks_floor())
+
+    def _first_peaks_floor(self) -> int:
+        """Under a pipeline, the most any rank's peak plan at its AC mode's fewest blocks per stage
+        and one row reached (with what HSDP's fewer shards add): a rank of at least those blocks at
+        this layout's rows holds at least that. 0 until one is planned."""
+        p, mode, out = self.piece, self.layout.ac_mode, 0
+        for key in p.first_peaks(mode):
+            rank, blocks = key[0][0], key[0][2]
+            if key in p.results and p.rank_blocks[rank] >= blocks:
+                state = self.states[rank]
+                out = max(out, p.results[key].peak + (held(state) - state.buffers) * (self.replicas - 1))
+        return out
+
+    def _keeps_floor(self) -> int:
+        """The state; and under a pipeline, once its keeps plans are done (_Piece.keeps_keys), what the
+        first rank holds as its first and second backwards begin — the keeps plans' state, gathered
+        parameters, gradients accumulated so far and forwards in flight, with as many more forwards as
+        the layout's schedule has in flight then, each holding at least what the second forward of
+        those plans kept in this layout's AC mode."""
         if self._floor is not None:
             return self._floor
         bound = max(state_floor(s, self.replicas) for s in self.states.values())
@@ -250,6 +274,12 @@ class _Sized:
         """The keeps plans of this layout's AC mode not yet run (none without a pipeline)."""
         p = self.piece
         return [k for k in p.keeps_keys(self.layout.ac_mode) if k not in p.results and k not in p.errors]
+
+    def first_peaks_missing(self) -> list[PlanKey]:
+        """The peak plans at the fewest blocks not yet run (none without a pipeline): planned before
+        the deeper ones, which a rank's shallow peak alone may show unneeded (_first_peaks_floor)."""
+        p = self.piece
+        return [k for k in p.first_peaks(self.layout.ac_mode) if k not in p.results and k not in p.errors]
 
     @property
     def group(self) -> tuple:
@@ -415,7 +445,7 @@ def _check_fastest(sized: list[_Sized], device: Device, top: int, workers: int, 
             break
         lay, piece = s.layout, s.piece
         # what a forward keeps first (a few short plans), which may bound the peak above the device
-        while (s.keeps_missing() or s.needs()) and s.floor <= capacity \
+        while (s.keeps_missing() or s.first_peaks_missing() or s.needs()) and s.floor <= capacity \
                 and not piece.failed(lay.ac_mode, lay.rows) and not skipped(s):
             jobs = _next_jobs(sized[i:], capacity, workers, skipped)
             if not jobs:
@@ -453,7 +483,7 @@ def _next_jobs(sized: list[_Sized], capacity: float, workers: int, skipped: Call
         if s.piece.failed(s.layout.ac_mode, s.layout.rows) or s.floor > capacity or skipped(s):
             continue
         gate = s.piece.missing(s.layout.ac_mode, 1) if not s.one_microbatch else []
-        for key in s.keeps_missing() or gate or s.needs():
+        for key in s.keeps_missing() or s.first_peaks_missing() or gate or s.needs():
             jobs.setdefault((id(s.piece), key), (s.piece, key))
     return list(jobs.values())
 
