@@ -315,9 +315,11 @@ def _piece(cfg: JobConfig, flags: dict[str, Any], world: int, spec: Any, args: A
     if dims.pp > 1:  # a split can be uneven: the first and last stages take a block fewer
         layers = stage_layers(args.n_layers, dims.pp, ParallelOptions.from_config(changed, device_type))
         schedule = changed.parallelism.pipeline_parallel_schedule
-        for rank in piece.ranks:
-            own = [len(layers[i]) for i in stage_ids(rank // (world // dims.pp), dims.pp, schedule)]
-            piece.rank_blocks[rank] = sum(own) / len(own)
+        blocks = [sum(len(layers[i]) for i in stage_ids(r, dims.pp, schedule)) / stages
+                  for r in range(dims.pp)]
+        # the first rank stands for every rank but the last, at the most blocks of any: it holds the
+        # most forwards in flight, and the embedding (a middle rank is not planned)
+        piece.rank_blocks = {piece.ranks[0]: max(blocks[:-1]), piece.ranks[-1]: blocks[-1]}
         piece.first_rank_blocks = min(len(layers[i]) for i in stage_ids(0, dims.pp, schedule))
     piece.timing_microbatches, piece.peak_microbatches = _microbatches(piece)
     return piece
