@@ -163,9 +163,9 @@ def test_a_pipelines_lower_bound_on_its_peak_holds_and_counts_its_forwards_in_fl
     """The search skips a layout whose peak has a lower bound above the device. Under a pipeline
     that bound is what the first rank holds as its first two backwards begin (the first: at its
     most), in short plans, with the forwards the layout's schedule has in flight then, each holding
-    what a forward keeps in the layout's AC mode: it is above the state alone, and below the peak planned with the layout's own
-    schedule (here; scaled to a deeper model's stages that peak can fall below the bound, and the
-    search takes the bound)."""
+    what a forward keeps in the layout's AC mode: it is above the state alone, and below the peak
+    planned with the layout's own schedule (here; scaled to a deeper model's stages that peak can
+    fall below the bound, and the search takes the bound)."""
     import planning.search as search_module
     from components.config.loading import load_config
     from planning.depth_scaling import state_floor
