@@ -115,7 +115,7 @@ class _Piece:
     device_type: str
     depths: dict[str, tuple[int, int]]  # AC mode → blocks per stage planned
     index: int = 0  # its place among the enumerated layouts (the ranking's tie-break)
-    rank_blocks: dict[int, float] = field(default_factory=dict)  # rank → blocks per stage of its own
+    rank_blocks: dict[int, float] = field(default_factory=dict)  # rank → blocks per stage it is scaled to
     first_rank_blocks: int = 1  # blocks of the first rank's smallest stage
     timing_microbatches: tuple[int, ...] = (1,)  # microbatches per step the collectives are planned at
     peak_microbatches: dict[int, int] = field(default_factory=dict)  # rows per microbatch → microbatches
