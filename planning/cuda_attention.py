@@ -3,8 +3,8 @@
 The planner's fake tensors live on the CPU, so F.scaled_dot_product_attention picks among the CPU's
 kernels. Where the values' head dim differs from the queries' (DeepSeek-V3's latent attention: 192
 and 128), the CPU has no fused kernel and takes its math path, which keeps a [heads, seq, seq] score
-matrix for backward — 8 GiB a layer at 128 heads and 4K tokens — while CUDA runs its
-memory-efficient kernel, which keeps the output and the log-sum-exp. A plan for CUDA runs that
+matrix for backward, while CUDA runs its memory-efficient kernel, which keeps the output and the
+log-sum-exp (what that did to DeepSeek-V3's plans: docs/planning.md). A plan for CUDA runs that
 kernel's fake implementation in such a call (torch.ops.aten._scaled_dot_product_efficient_attention,
 what CUDA's SDPA dispatches to, and what context parallel's pairs call already:
 parallelisms/attention_kernels.py). Every other call is left to torch: the CPU's flash kernel keeps

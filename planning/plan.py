@@ -238,7 +238,7 @@ def _run_tasks(tasks: list[tuple], workers: int, *, keep_errors: bool = False, s
         return [_plan_task(tasks[0])]
     if start == "fork":
         # A forked child's collections would walk every object it inherits, and write to the pages
-        # they sit on (copy-on-write): frozen, they are skipped (Qwen3 30B-A3B's search: 302 → 267 s).
+        # they sit on (copy-on-write): frozen, they are skipped (measured: docs/planning.md).
         gc.freeze()
     try:
         return _run_children(tasks, workers, keep_errors, multiprocessing.get_context(start))
