@@ -197,11 +197,10 @@ class PipelineMicrobatchWatch:
                 first = not last_backward and _i not in backwards
                 if first:
                     backwards.add(_i)
-                if done >= 2:
-                    return self._counted(_run, first, *args, last_backward=last_backward, **kwargs)
                 start = tracker.window_peak = tracker.now
                 out = self._counted(_run, first, *args, last_backward=last_backward, **kwargs)
-                self.backward_starts.append((start, sum(forwards.values()) - done, tracker.window_peak))
+                if done < 2:
+                    self.backward_starts.append((start, sum(forwards.values()) - done, tracker.window_peak))
                 return out
 
             stage.forward_one_chunk, stage.backward_one_chunk = counted_forward, counted_backward

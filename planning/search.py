@@ -195,8 +195,12 @@ class _Piece:
         return [self.plan_key((rank, mode, k, r, self.peak_microbatches[r]), False) for r in counts
                 for k in self.depths[mode] for rank in self.ranks]
 
+    def unplanned(self, keys: list[PlanKey]) -> list[PlanKey]:
+        """Those of `keys` neither planned nor failed."""
+        return [k for k in keys if k not in self.results and k not in self.errors]
+
     def missing(self, mode: str, rows: int) -> list[PlanKey]:
-        return [k for k in self.keys(mode, rows) if k not in self.results and k not in self.errors]
+        return self.unplanned(self.keys(mode, rows))
 
     def failed(self, mode: str, rows: int) -> bool:
         return any(k in self.errors for k in self.keys(mode, rows))
@@ -230,7 +234,7 @@ class _Sized:
         this layout's rows holds at least that. 0 until one is planned."""
         p, mode, out = self.piece, self.layout.ac_mode, 0
         for key in p.first_peaks(mode):
-            rank, blocks = key[0][0], key[0][2]
+            (rank, _, blocks, _, _), _ = key
             if key in p.results and p.rank_blocks[rank] >= blocks:
                 state = self.states[rank]
                 out = max(out, p.results[key].peak + (held(state) - state.buffers) * (self.replicas - 1))
@@ -272,14 +276,12 @@ class _Sized:
 
     def keeps_missing(self) -> list[PlanKey]:
         """The keeps plans of this layout's AC mode not yet run (none without a pipeline)."""
-        p = self.piece
-        return [k for k in p.keeps_keys(self.layout.ac_mode) if k not in p.results and k not in p.errors]
+        return self.piece.unplanned(self.piece.keeps_keys(self.layout.ac_mode))
 
     def first_peaks_missing(self) -> list[PlanKey]:
         """The peak plans at the fewest blocks not yet run (none without a pipeline): planned before
         the deeper ones, which a rank's shallow peak alone may show unneeded (_first_peaks_floor)."""
-        p = self.piece
-        return [k for k in p.first_peaks(self.layout.ac_mode) if k not in p.results and k not in p.errors]
+        return self.piece.unplanned(self.piece.first_peaks(self.layout.ac_mode))
 
     @property
     def group(self) -> tuple:
@@ -447,7 +449,7 @@ def _check_fastest(sized: list[_Sized], device: Device, top: int, workers: int, 
             break
         lay, piece = s.layout, s.piece
         # what a forward keeps first (a few short plans), which may bound the peak above the device
-        while (s.keeps_missing() or s.first_peaks_missing() or s.needs()) and s.floor <= capacity \
+        while (s.keeps_missing() or s.needs()) and s.floor <= capacity \
                 and not piece.failed(lay.ac_mode, lay.rows) and not skipped(s):
             jobs = _next_jobs(sized[i:], capacity, workers, skipped)
             if not jobs:
