@@ -60,6 +60,13 @@ def layout_flags(tp: int, pp: int, cp: int, ep: int, replicas: int, shard: int, 
     return flags
 
 
+def layout_degrees(d: Any, replicas: int) -> dict[str, int]:
+    """A layout's degrees (of its ParallelDims `d`) with `replicas` HSDP replicas of its data-parallel
+    ranks."""
+    return {"pp": d.pp, "dp_replicate": replicas, "dp_shard": d.dp // replicas, "cp": d.cp, "tp": d.tp,
+            "ep": d.ep}
+
+
 def configured(cfg: JobConfig, flags: dict[str, Any]) -> JobConfig:
     """A copy of `cfg` with `flags` ({'section.key': value}) applied."""
     changed = copy.deepcopy(cfg)

@@ -10,14 +10,16 @@ microbatches (planning/depth_scaling.py). That gives every layout's collectives,
 step, which does not depend on its memory.
 
 Branch and bound: the distinct layouts are timed in the order of the most their layouts could be
-predicted at (their compute over their least bubble, as if nothing were communicated), and a timed
+predicted at (planning/layout_bounds.py: their compute over their least bubble with only the
+communication floors of FSDP, TP and EP, among the HSDP splits whose least peak fits), and a timed
 layout faster than any untimed one could be is checked at once — fastest first, its peak planned
 (its AC mode at one and two rows per microbatch) until `top` of them fit. The layouts still untimed
 then could not have been among them: the ranking is the one timing every layout would give. Not
-planned at all: a layout whose peak has a lower bound above the device (its state; under a pipeline,
-what the first rank holds in the first backwards of two short plans in its AC mode, with every
-forward the layout's schedule has in flight then; and once planned, each rank's peak at the fewest
-blocks, before the deeper plans), and one whose fewer rows per microbatch were already too big.
+planned at all: a layout whose peak has a lower bound above the device (its model's shape's least
+peak; its state; under a pipeline, what the first rank holds in the first backwards of two short
+plans in its AC mode, with every forward the layout's schedule has in flight then; and once planned,
+each rank's peak at the fewest blocks, before the deeper plans), and one whose fewer rows per
+microbatch were already too big.
 """
 
 from __future__ import annotations
@@ -35,7 +37,15 @@ from parallelisms.layout_checks import stage_layers
 from parallelisms.pipeline import stage_ids
 from planning.depth_scaling import Key, held, linear, one_microbatch_fewer, rank_peak, rank_state, state_floor
 from planning.devices import Device
-from planning.layout_space import SCHEDULES, closed_form_bubble, configured, enumerate_layouts, rows_options
+from planning.layout_bounds import block_parameters, least_peak, speed_bound
+from planning.layout_space import (
+    SCHEDULES,
+    closed_form_bubble,
+    configured,
+    enumerate_layouts,
+    layout_degrees,
+    rows_options,
+)
 from planning.pipeline_bubble import forwards_before_first_backward
 from planning.plan import AC_MODES, _run_tasks, count_parameters, default_ranks
 from planning.rank_plan import RankPlan
@@ -120,6 +130,7 @@ class _Piece:
     timing_microbatches: tuple[int, ...] = (1,)  # microbatches per step the collectives are planned at
     peak_microbatches: dict[int, int] = field(default_factory=dict)  # rows per microbatch → microbatches
     replicas: set[int] = field(default_factory=lambda: {1})  # HSDP replica counts derived from it
+    block_parameters: tuple[int, int] = (0, 0)  # what a block adds: all parameters, the routed experts'
     results: dict[PlanKey, RankPlan] = field(default_factory=dict)
     errors: dict[PlanKey, BaseException] = field(default_factory=dict)  # plans that raised
 
@@ -220,13 +231,15 @@ class _Sized:
     replicas: int
     states: dict[int, RankPlan]  # rank → its state and collectives at the model's depth
     one_microbatch: bool  # several rows per rank in one microbatch, without a pipeline
+    least_peak: int  # what the model's shape alone says its first rank holds (planning/layout_bounds.py)
     _floor: int | None = None  # the lower bound on the peak, once its keeps plans are done
 
     @property
     def floor(self) -> int:
-        """A lower bound on the peak: the state, then under a pipeline what its short plans show
-        (_keeps_floor) and, once its ranks' peaks at the fewest blocks are planned, those."""
-        return max(self._keeps_floor(), self._first_peaks_floor())
+        """A lower bound on the peak: the model's shape's, the state, then under a pipeline what its
+        short plans show (_keeps_floor) and, once its ranks' peaks at the fewest blocks are planned,
+        those."""
+        return max(self.least_peak, self._keeps_floor(), self._first_peaks_floor())
 
     def _first_peaks_floor(self) -> int:
         """Under a pipeline, the most any rank's peak plan at its AC mode's fewest blocks per stage
@@ -400,7 +413,7 @@ def _size(piece: _Piece, device: Device, flops_per_token: float, seq_len: int, r
     d = piece.dims
     per_rank = piece.per_rank
     microbatches = per_rank // rows
-    degrees = _degrees(d, replicas)
+    degrees = layout_degrees(d, replicas)
     flags = piece.flags | {"parallelism.data_parallel_replicate_degree": replicas,
                            "parallelism.data_parallel_shard_degree": d.dp // replicas,
                            "activation_checkpoint.mode": mode, _rows_key(d.pp): rows}
@@ -418,7 +431,8 @@ def _size(piece: _Piece, device: Device, flops_per_token: float, seq_len: int, r
                              state.calls, tokens / d.world_size, facts, device.peak_tflops, device.links,
                              device.efficiency))
     layout.step = max(steps, key=lambda t: t.seconds)
-    return _Sized(layout, piece, replicas, states, d.pp == 1 and microbatches == 1 < per_rank)
+    return _Sized(layout, piece, replicas, states, d.pp == 1 and microbatches == 1 < per_rank,
+                  int(least_peak(piece, replicas)))
 
 
 def _set_peak(layout: Layout, peak: int, device: Device) -> None:
@@ -513,7 +527,10 @@ def search(cfg: JobConfig, world: int, device: Device, *, device_type: str = "cu
     workers = workers or os.cpu_count() or 1
     flops_per_token = spec.flops_per_token_fn(args, count_parameters(spec, args), t.seq_len)
     speedups = {"compile": cfg.compile.enable, "float8": float8}
-    bounds = {id(p): _speed_bound(p, device, flops_per_token, t.seq_len, speedups) for p in pieces}
+    block = block_parameters(spec, args)
+    for piece in pieces:
+        piece.block_parameters = block
+    bounds = {id(p): speed_bound(p, device, flops_per_token, t.seq_len, speedups) for p in pieces}
     untimed = sorted(pieces, key=lambda p: -bounds[id(p)])
     waiting: list[_Sized] = []  # timed, not yet checked against memory
     too_big_rows: dict[tuple, int] = {}
@@ -545,25 +562,6 @@ def search(cfg: JobConfig, world: int, device: Device, *, device_type: str = "cu
     result.too_big.sort(key=lambda lay: lay.peak)
     result.seconds = time.perf_counter() - start
     return result
-
-
-def _speed_bound(piece: _Piece, device: Device, flops_per_token: float, seq_len: int,
-                 speedups: dict[str, bool]) -> float:
-    """The most tokens/s per device any layout of the piece could be predicted at: its compute without
-    recompute (AC only adds) over the smallest bubble (one row per microbatch), as if nothing were
-    communicated — what the step-time model adds to that is never negative."""
-    d = piece.dims
-    tokens = piece.global_batch * seq_len
-    facts = LayoutFacts(_degrees(d, 1), 1, "none", **speedups)
-    bubble = closed_form_bubble(d.pp, piece.stages, piece.per_rank)
-    return predict(flops_per_token * tokens / d.world_size, bubble, {}, {}, tokens / d.world_size, facts,
-                   device.peak_tflops, device.links, device.efficiency).tokens_per_second_per_device
-
-
-def _degrees(d: Any, replicas: int) -> dict[str, int]:
-    """A layout's degrees with `replicas` HSDP replicas of its data-parallel ranks."""
-    return {"pp": d.pp, "dp_replicate": replicas, "dp_shard": d.dp // replicas, "cp": d.cp, "tp": d.tp,
-            "ep": d.ep}
 
 
 def _next_pieces(untimed: list[_Piece], plans: int) -> list[_Piece]:
@@ -610,4 +608,4 @@ def _failures(piece: _Piece) -> list[str]:
 
 def _describe_piece(piece: _Piece) -> str:
     d = piece.dims
-    return Layout(piece.flags, _degrees(d, 1), "none", 1).describe().rsplit(", AC", 1)[0]
+    return Layout(piece.flags, layout_degrees(d, 1), "none", 1).describe().rsplit(", AC", 1)[0]

@@ -116,24 +116,29 @@ def predict(flops: float, bubble: float, communication: dict[str, dict[str, int]
     recompute = recompute_factor(facts.ac_mode, facts.selective_ac_option)
     compute = flops * recompute / (peak_tflops * 1e12 * speed)
     step = StepTime(compute=compute, bubble=bubble)
+    overlapped = {}
     for label, kinds in communication.items():
         dim = label.split(" = ")[0]
         n, span = group_span(dim, facts.degrees)
         if n <= 1:
             n = 2  # a dimension the planner could not name: assume a pair within a node
-        step.comm[label] = sum(collective_seconds(kind, nbytes, calls.get(label, {}).get(kind, 0), n,
-                                                  span <= links.per_node, links, eff)
-                               for kind, nbytes in kinds.items())
-        if label.split(" = ")[0] not in _OVERLAPPED:
-            step.exposed[label] = step.comm[label]
+        seconds = {kind: collective_seconds(kind, nbytes, calls.get(label, {}).get(kind, 0), n,
+                                            span <= links.per_node, links, eff)
+                   for kind, nbytes in kinds.items()}
+        step.comm[label] = sum(seconds.values())
+        # an all-to-all is EP's, on the critical path, also on a group that is FSDP's too ("dp_shard = ep")
+        hidden = sum(s for kind, s in seconds.items() if kind != "all-to-all") if dim in _OVERLAPPED else 0.0
+        step.exposed[label] = step.comm[label] - hidden
+        if hidden > 0:
+            overlapped[label] = hidden
     # FSDP's (and HSDP's, DDP's) traffic hides behind the compute of the blocks it is not for: all
     # but one block's share while compute lasts, shared by every such dimension.
-    overlapped = {label: s for label, s in step.comm.items() if label not in step.exposed}
     total = sum(overlapped.values())
     if total > 0:
         layers = max(facts.layers_per_stage, 1)
         exposed = max(total / layers, total - eff.overlap * compute * (layers - 1) / layers)
-        step.exposed.update({label: s * exposed / total for label, s in overlapped.items()})
+        for label, s in overlapped.items():
+            step.exposed[label] += s * exposed / total
     step.seconds = compute / (1.0 - bubble) + sum(step.exposed.values())
     step.tokens_per_second_per_device = tokens_per_device / step.seconds if step.seconds > 0 else 0.0
     return step

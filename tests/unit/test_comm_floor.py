@@ -1,6 +1,7 @@
-"""FSDP's communication floor (planning/comm_floor.py) and a step's bytes against it."""
+"""The communication floors of FSDP, TP and EP (planning/comm_floor.py) and a step's bytes against
+them. That a planned step sends at least its floors: tests/e2e/test_plan_search_bounds.py."""
 
-from planning.comm_floor import against_floor, fsdp_floor
+from planning.comm_floor import against_floor, expert_parallel_floor, fsdp_floor, tensor_parallel_floor
 
 
 def degrees(**d):
@@ -15,6 +16,25 @@ def test_fsdp_gathers_twice_in_the_compute_dtype_and_reduces_once():
     assert hsdp["dp_replicate"] == {"all-reduce": 4000}  # the shard, once
     assert fsdp_floor({"float32": 4000}, degrees(), "float32", "float32") == {}  # nothing sharded
     assert fsdp_floor({"float32": 4000}, degrees(dp_shard=4, ep=2), "float32", "float32") == {}
+
+
+def test_fsdp_floor_of_several_passes_and_ddps_all_reduce():
+    # four microbatches that reshard after forward: 8 gathers and 4 reduce-scatters; HSDP's all-reduce
+    # per reduce-scatter
+    floor = fsdp_floor({"float32": 4000}, degrees(dp_shard=4, dp_replicate=2), "bfloat16", "float32", 8, 4)
+    assert floor == {"fsdp": {"all-gather": 8 * 4000 * 2, "reduce-scatter": 4 * 4000 * 4},
+                     "dp_replicate": {"all-reduce": 4 * 1000 * 4}}
+    assert fsdp_floor({"float32": 4000}, degrees(dp_replicate=2), "float32", "float32") == {
+        "dp_replicate": {"all-reduce": 4000}}  # DDP: the whole gradient, once
+
+
+def test_tp_and_ep_floors_move_every_token_forward_and_back():
+    # 3 blocks, 100 tokens of dim 16 in bf16: attention's input gathered and output reduce-scattered,
+    # forward and backward; every (token, choice) of top 2 sent and returned, forward and backward
+    nbytes = 3 * 100 * 16 * 2
+    assert tensor_parallel_floor(3, 100, 16, "bfloat16") == {"tp": {"all-gather": 2 * nbytes,
+                                                                     "reduce-scatter": 2 * nbytes}}
+    assert expert_parallel_floor(3, 100, 2, 16, "bfloat16") == {"ep": {"all-to-all": 4 * 2 * nbytes}}
 
 
 def test_a_step_that_gathers_per_microbatch_sends_more_than_the_floor():

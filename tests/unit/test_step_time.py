@@ -51,6 +51,17 @@ def test_fsdp_hides_behind_compute_but_one_block():
     assert large.seconds == pytest.approx(2.0 + 3.5 - 1.5)
 
 
+def test_eps_all_to_all_is_exposed_on_a_group_that_is_fsdps_too():
+    """EP over every FSDP rank: the planner names the group "dp_shard = ep"; its gathers hide as FSDP's,
+    its all-to-alls sit on the critical path as EP's do on a group of their own."""
+    facts = LayoutFacts(degrees(dp_shard=8, ep=8), layers_per_stage=4)
+    shared = predicted({"dp_shard = ep": {"all-gather": int(8e9), "all-to-all": int(8e9)}}, facts)
+    alone = predicted({"dp_shard": {"all-gather": int(8e9)}, "ep": {"all-to-all": int(8e9)}}, facts)
+    assert shared.comm["dp_shard = ep"] == pytest.approx(2 * 0.07)
+    assert shared.exposed["dp_shard = ep"] == pytest.approx(0.07 + 0.07 / 4)
+    assert shared.seconds == pytest.approx(alone.seconds)
+
+
 def test_tp_is_exposed_and_the_bubble_stretches_compute():
     facts = LayoutFacts(degrees(tp=8), layers_per_stage=4)
     t = predicted({"tp": {"all-reduce": int(8e9)}}, facts, bubble=0.2)
