@@ -98,7 +98,7 @@ class SearchResult:
     considered: int = 0  # layouts enumerated
     refused: int = 0  # of them the trainer's checks refuse
     distinct: int = 0  # distinct layouts the trainer accepts (their degrees), each timed once
-    untimed: int = 0  # of them never timed: slower, even without communication, than `top` that fit
+    untimed: int = 0  # of them never timed: slower, even at their floors, than `top` that fit
     sized: int = 0  # layouts sized and ranked by predicted speed
     checked: int = 0  # of them checked against the device's memory
     too_big_by_rows: int = 0  # of them too big because fewer rows per microbatch were (not planned)
