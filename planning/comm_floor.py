@@ -58,10 +58,10 @@ def against_floor(communication: dict[str, dict[str, int]], floor: dict[str, dic
     """(dimension, kind, sent / floor) for each floored collective the step issued."""
     out = []
     for label, kinds in communication.items():
-        dim = label.split(" = ")[0]
-        key = "fsdp" if dim in _FSDP else dim
-        for kind, nbytes in kinds.items():
-            least = floor.get(key, {}).get(kind)
-            if least:
-                out.append((label, kind, nbytes / least))
+        for dim in label.split(" = "):  # a group of several dimensions ("dp_shard = ep") is each one's
+            key = "fsdp" if dim in _FSDP else dim
+            for kind, nbytes in kinds.items():
+                least = floor.get(key, {}).get(kind)
+                if least:
+                    out.append((label, kind, nbytes / least))
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from planning.comm_floor import against_floor, fsdp_floor
+from planning.comm_floor import against_floor, expert_parallel_floor, fsdp_floor
 from planning.plan import AC_MODES, Plan
 from planning.rank_plan import RankPlan
 from planning.search import Layout, SearchResult
@@ -105,21 +105,31 @@ def format_plan(plan: Plan) -> str:
 
 
 def floor_lines(plan: Plan) -> list[str]:
-    """FSDP's and HSDP's bytes against the least the layout needs (planning/comm_floor.py)."""
+    """FSDP's, HSDP's and EP's bytes against the least the layout needs (planning/comm_floor.py), and
+    why a step sends more."""
     if plan.facts is None:
         return []
+    d = plan.facts.degrees
+    tokens = plan.global_batch * plan.seq_len / (d["dp_replicate"] * d["dp_shard"] * d["cp"])
     worst: dict[tuple[str, str], float] = {}
     for r in plan.ranks:
-        floor = fsdp_floor(r.parameters, plan.facts.degrees, plan.param_dtype, plan.reduce_dtype)
+        floor = fsdp_floor(r.parameters, d, plan.param_dtype, plan.reduce_dtype)
+        if d["ep"] > 1 and r.moe_layers:
+            floor |= expert_parallel_floor(r.moe_layers, tokens, plan.top_k, plan.hidden, plan.param_dtype)
         for dim, kind, ratio in against_floor(r.communication, floor):
             worst[(dim, kind)] = max(ratio, worst.get((dim, kind), 0.0))
     if not worst:
         return []
     cells = ", ".join(f"{dim} {kind} {ratio:.2f}×" for (dim, kind), ratio in sorted(worst.items()))
-    over = [f"{dim} {kind}" for (dim, kind), ratio in worst.items() if ratio > 1.05]
-    why = (f"; above it: {', '.join(over)} (once per microbatch: fewer, larger microbatches send less)"
-           if over else "")
-    return [f"floor    sent / least this layout needs: {cells}{why}"]
+    over = {kind for (_, kind), ratio in worst.items() if ratio > 1.05}
+    why = []
+    if over & {"all-gather", "reduce-scatter", "all-reduce"}:
+        why.append("FSDP's collectives once per microbatch (fewer, larger microbatches send less)")
+    if "all-to-all" in over:  # EP's: each routed token there and back is all it needs
+        why.append(f"AC {plan.ac_mode} recomputes forwards, whose dispatch and combine send again"
+                   if plan.ac_mode != "none" else "EP sends more than each routed token there and back")
+    above = f"; above it: {'; '.join(why)}" if why else ""
+    return [f"floor    sent / least this layout needs: {cells}{above}"]
 
 
 def step_lines(plan: Plan) -> list[str]:

@@ -126,7 +126,6 @@ class _Piece:
     depths: dict[str, tuple[int, int]]  # AC mode → blocks per stage planned
     index: int = 0  # its place among the enumerated layouts (the ranking's tie-break)
     rank_blocks: dict[int, float] = field(default_factory=dict)  # rank → blocks per stage it is scaled to
-    first_rank_blocks: int = 1  # blocks of the first rank's smallest stage
     timing_microbatches: tuple[int, ...] = (1,)  # microbatches per step the collectives are planned at
     peak_microbatches: dict[int, int] = field(default_factory=dict)  # rows per microbatch → microbatches
     replicas: set[int] = field(default_factory=lambda: {1})  # HSDP replica counts derived from it
@@ -267,7 +266,8 @@ class _Sized:
         if not keys or not all(key in p.results for key in keys):
             return bound
         first = p.ranks[0]  # the only rank timed at two blocks per stage
-        blocks = p.first_rank_blocks  # its stages' own (fewest), not the average: a split can be uneven
+        # at the blocks its peak is scaled to (it stands for the middle ranks, which may hold more)
+        blocks = p.rank_blocks[first]
         plans = [p.results[key] for key in keys]
         state = rank_state(p.lookup(True), first, blocks, p.timing_microbatches, 1, 1, self.replicas, first)
         keeps = linear(*(plan.forward_keeps for plan in plans), blocks, p.depths[mode])
@@ -335,7 +335,6 @@ def _piece(cfg: JobConfig, flags: dict[str, Any], world: int, spec: Any, args: A
         # the first rank stands for every rank but the last, at the most blocks of any: it holds the
         # most forwards in flight, and the embedding (a middle rank is not planned)
         piece.rank_blocks = {piece.ranks[0]: max(blocks[:-1]), piece.ranks[-1]: blocks[-1]}
-        piece.first_rank_blocks = min(len(layers[i]) for i in stage_ids(0, dims.pp, schedule))
     piece.timing_microbatches, piece.peak_microbatches = _microbatches(piece)
     return piece
 

@@ -7,6 +7,7 @@ issued: calls and bytes per mesh dimension and kind (components/observability/me
 """
 
 import json
+import re
 import subprocess
 import sys
 
@@ -137,6 +138,19 @@ def test_deepseek_v3_671b_on_1024_ranks():
         assert rank["communication"]["ep"]["all-to-all"] > 0 and "tp" not in rank["communication"]
     # The last stage holds the MTP block, the head and an embedding copy on top of its share of blocks.
     assert sum(last["parameters"].values()) > 1.5 * sum(first["parameters"].values())
+
+
+@pytest.mark.parametrize("mode,ratio", [("none", 1.0), ("full", 1.5)])
+def test_eps_all_to_alls_against_their_floor(mode, ratio):
+    """EP's floor is each routed token sent to its expert's rank and back, forward and backward: a step
+    without AC sends just that (and the counts per expert); full AC recomputes each forward, whose
+    dispatch and combine send again — 6 all-to-alls of the 4 — and the plan says so."""
+    world, args = LAYOUTS["ep2"]
+    proc = plan_cli(*args, "--world-size", str(world), "--activation_checkpoint.mode", mode, "--no-ac-modes")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    floor = re.search(r"ep all-to-all (\d+\.\d+)×", proc.stdout)
+    assert floor and float(floor.group(1)) == pytest.approx(ratio, abs=0.01), proc.stdout
+    assert ("recomputes forwards, whose dispatch and combine send again" in proc.stdout) == (mode == "full")
 
 
 def test_json_shape():
