@@ -75,7 +75,7 @@ def communication_floor(piece: _Piece, tokens: int, replicas: int) -> dict[str, 
     d, moe = piece.dims, getattr(piece.args, "moe", None)
     options = ParallelOptions.from_config(piece.cfg, piece.device_type)
     blocks = piece.rank_blocks[piece.ranks[0]] * piece.stages
-    degrees = layout_degrees(d, replicas) | {"ep": 1}
+    degrees = layout_degrees(d, replicas) | {"ep": 1}  # fsdp_floor claims no EP layout: its parts below
     shard = degrees["dp_shard"] * d.cp
     every, experts = piece.block_parameters
     # EP's experts are FSDP-sharded over what it leaves of dp_shard × cp, the rest over all of it
