@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from components.config.parallel_options import ParallelOptions
 from models.common.moe import GroupedExperts
 from planning.comm_floor import expert_parallel_floor, fsdp_floor, tensor_parallel_floor
 from planning.devices import Device
@@ -55,13 +54,12 @@ def least_peak(piece: _Piece, replicas: int) -> float:
     weights gathered and their gradients accumulated unsharded, which torch's pipeline stages keep
     until the step's last backward (set_reshard_after_backward(False)). What TP does not split, the
     embedding and the head only add."""
-    d = piece.dims
+    d, blocks = piece.dims, piece.first_rank_blocks
     every, experts = piece.block_parameters
-    blocks = piece.rank_blocks[piece.ranks[0]] * piece.stages
     shard = d.dp // replicas * d.cp
     least = 12 * every * blocks / (d.tp * shard)
     if d.pp > 1 and shard > 1:
-        dtype = getattr(torch, ParallelOptions.from_config(piece.cfg, piece.device_type).param_dtype)
+        dtype = getattr(torch, piece.options.param_dtype)
         least += 2 * dtype.itemsize * blocks * (every - experts + experts / d.ep) / d.tp
     return least
 
@@ -72,9 +70,8 @@ def communication_floor(piece: _Piece, tokens: int, replicas: int) -> dict[str, 
     is cut to blocks of one kind), split over TP ranks; every token of its data-parallel × CP rank
     routed (each TP rank routes the whole sequence, models/moe/parallelize.py). The embedding and
     the head only add."""
-    d, moe = piece.dims, getattr(piece.args, "moe", None)
-    options = ParallelOptions.from_config(piece.cfg, piece.device_type)
-    blocks = piece.rank_blocks[piece.ranks[0]] * piece.stages
+    d, options, blocks = piece.dims, piece.options, piece.first_rank_blocks
+    moe = getattr(piece.args, "moe", None)
     degrees = layout_degrees(d, replicas) | {"ep": 1}  # fsdp_floor claims no EP layout: its parts below
     shard = degrees["dp_shard"] * d.cp
     every, experts = piece.block_parameters

@@ -24,6 +24,7 @@ microbatch were already too big.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -142,6 +143,16 @@ class _Piece:
         if self.dims.pp == 1:
             return None
         return "GPipe" if self.stages == 1 else "LoopedBFS"
+
+    @functools.cached_property
+    def options(self) -> ParallelOptions:
+        """The layout's options as the trainer reads them (its dtypes)."""
+        return ParallelOptions.from_config(self.cfg, self.device_type)
+
+    @property
+    def first_rank_blocks(self) -> float:
+        """Blocks on the first planned rank, all its stages, as its plans are scaled."""
+        return self.rank_blocks[self.ranks[0]] * self.stages
 
     def plan_key(self, key: Key, timing: bool) -> PlanKey:
         """A plan's key; without a pipeline, a timing plan is the plain plan of the same key."""
