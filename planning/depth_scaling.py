@@ -4,9 +4,10 @@ the layout search plan small models and short steps for large ones.
 
 State, collectives and calls are linear in the blocks per stage and in the microbatches per step;
 the peak is linear in the blocks and in the rows (a block's and a row's share are the differences)
-and stops growing with the microbatches once they fill the pipeline (without one: once gradients
-accumulate); a step of one microbatch holds no accumulated gradients through its backward; HSDP's
-replicas shard the state over fewer ranks and add their all-reduce.
+and, once the microbatches fill the pipeline (without one: once gradients accumulate), grows with
+them only by the receive buffers and rows each keeps to the step's end; a step of one microbatch
+holds no accumulated gradients through its backward; HSDP's replicas shard the state over fewer
+ranks and add their all-reduce.
 """
 
 from __future__ import annotations
@@ -136,22 +137,35 @@ def state_floor(state: RankPlan, replicas: int) -> int:
 
 
 def rank_peak(plan_of: Lookup, state: RankPlan, rank: int, mode: str, depths: tuple[int, int],
-              peak_microbatches: dict[int, int], blocks: float, rows: int, replicas: int, one_microbatch: bool
-              ) -> int:
+              peak_microbatches: dict[int, int], blocks: float, rows: int, replicas: int,
+              one_microbatch: bool, microbatches: int = 0) -> int:
     """The rank's peak in AC `mode` (planned at `depths` blocks per stage, at the rows per microbatch
     `peak_microbatches` maps to the microbatches planned with them, enough to fill the pipeline or to
-    accumulate gradients) at `blocks` per stage and `rows` per microbatch; `one_microbatch` when a
-    step of several rows per rank runs them as one microbatch without pipelining."""
+    accumulate gradients) at `blocks` per stage, `rows` per microbatch and, under a pipeline,
+    `microbatches` per step: each keeps its receive buffers and rows to the step's end
+    (RankPlan.microbatch_bytes), so a pipelined peak grows by them past the planned count.
+    `one_microbatch` when a step of several rows per rank runs them as one microbatch without
+    pipelining."""
+    def plans(r: int) -> tuple[RankPlan, RankPlan]:
+        one, two = (plan_of((rank, mode, k, r, peak_microbatches[r])) for k in depths)
+        return one, two
+
     def peak_at(r: int) -> float:
-        one, two = (plan_of((rank, mode, k, r, peak_microbatches[r])).peak for k in depths)
-        return linear(one, two, blocks, depths)
+        """At `r` rows, without what its planned microbatches keep to the step's end."""
+        return linear(*(p.peak - peak_microbatches[r] * p.microbatch_bytes for p in plans(r)), blocks, depths)
 
     at_one_row = peak = peak_at(1)
+    kept = plans(1)[0].microbatch_bytes  # per microbatch of one row: buffers and rows, both as the rows
+    planned = peak_microbatches[1]
     if rows > 1 and 2 in peak_microbatches:  # the peak's growth per row, itself linear in the blocks
         two_rows = peak_at(2)
         peak += (two_rows - at_one_row) * (rows - 1)
+        kept += (plans(2)[0].microbatch_bytes - kept) * (rows - 1)
+        planned = peak_microbatches[2]
     elif rows > 1:  # one row planned only: everything above the state grows with the rows
         peak += (at_one_row - held(state)) * (rows - 1)
+        kept *= rows
+    peak += kept * max(microbatches, planned)
     if one_microbatch:
         # planned with gradient accumulation, whose gradients are alive through each later backward;
         # one microbatch per step has none before its own backward makes them

@@ -73,6 +73,9 @@ class RankPlan:
     # backwards began: what its pipelined peak holds at least then, with more forwards in flight
     # under another schedule
     backward_starts: list[tuple[int, int, int]] = field(default_factory=list)
+    # bytes one more pipeline microbatch keeps alive through the whole step: torch's stages hold a
+    # receive buffer per microbatch (activations in, gradients back) and the step holds its rows
+    microbatch_bytes: int = 0
     seconds: float = 0.0  # how long planning this rank took
     ac_peaks: dict[str, int] = field(default_factory=dict)  # peak per activation-checkpoint mode
 
@@ -181,6 +184,7 @@ class PipelineMicrobatchWatch:
         self.bytes: dict[tuple[str, str], int] = {}
         self.calls: dict[tuple[str, str], int] = {}
         self.backward_starts: list[tuple[int, int, int]] = []
+        self.first_forward_alive: int | None = None  # bytes alive as the step's first forward began
         forwards: dict[int, int] = {}
         backwards: set[int] = set()
         run_backwards = itertools.count()
@@ -188,6 +192,8 @@ class PipelineMicrobatchWatch:
             forward, backward, index = stage.forward_one_chunk, stage.backward_one_chunk, stage.stage_index
 
             def counted_forward(*args: Any, _run: Callable = forward, _i: int = index, **kwargs: Any) -> Any:
+                if self.first_forward_alive is None:
+                    self.first_forward_alive = tracker.now
                 forwards[_i] = forwards.get(_i, 0) + 1
                 return self._counted(_run, forwards[_i] == 2, *args, **kwargs)
 
@@ -221,6 +227,12 @@ class PipelineMicrobatchWatch:
                 if key[1] != "send/recv":  # the sends: per microbatch, see one_microbatch
                     total[key] = total.get(key, 0) + n
         return out
+
+    def microbatch_bytes(self, before_batch: int, microbatches: int) -> int:
+        """What each microbatch keeps alive through the step: all that the step's rows and the
+        schedule's buffers (made for every microbatch before the first forward) added to
+        `before_batch`, the bytes alive before the step's rows were made, per microbatch."""
+        return (self.first_forward_alive - before_batch) // microbatches if self.first_forward_alive else 0
 
     def one_microbatch(self, microbatches: int) -> tuple[dict, dict]:
         """(mesh dim, kind) → bytes, and → calls, of one microbatch (of a step of `microbatches`)."""
@@ -378,6 +390,7 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
     tracker.reset_peak()
     second_forwards = _second_forward_growth(parts, tracker)
     watch = PipelineMicrobatchWatch(step.pipeline, tracker) if step.pipeline is not None else None
+    before_batch = tracker.now
     step(_microbatches(cfg, dims, global_batch, args.vocab_size))
     tracker.finish()
     one_more = step.first_microbatch  # without a pipeline; with one:
@@ -396,7 +409,9 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
                     communication=communication, calls=calls, bubble=bubble, moe_layers=moe,
                     forward_keeps=min(second_forwards.values()) if len(second_forwards) == len(parts) else 0,
                     microbatch_communication=microbatch_communication, microbatch_calls=microbatch_calls,
-                    backward_starts=watch.backward_starts if watch is not None else [])
+                    backward_starts=watch.backward_starts if watch is not None else [],
+                    microbatch_bytes=(watch.microbatch_bytes(before_batch, step.pipeline.n_microbatches)
+                                      if watch is not None else 0))
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:

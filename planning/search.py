@@ -257,10 +257,12 @@ class _Sized:
         this layout's rows holds at least that. 0 until one is planned."""
         p, mode, out = self.piece, self.layout.ac_mode, 0
         for key in p.first_peaks(mode):
-            (rank, _, blocks, _, _), _ = key
+            (rank, _, blocks, _, planned), _ = key
             if key in p.results and p.rank_blocks[rank] >= blocks:
-                state = self.states[rank]
-                out = max(out, p.results[key].peak + (held(state) - state.buffers) * (self.replicas - 1))
+                state, plan = self.states[rank], p.results[key]
+                # every row of the step keeps its share of buffers to the step's end, whatever the rows
+                more_rows = (p.per_rank - planned) * plan.microbatch_bytes
+                out = max(out, plan.peak + more_rows + (held(state) - state.buffers) * (self.replicas - 1))
         return out
 
     def _keeps_floor(self) -> int:
@@ -268,7 +270,7 @@ class _Sized:
         first rank holds as its first and second backwards begin — the keeps plans' state, gathered
         parameters, gradients accumulated so far and forwards in flight, with as many more forwards as
         the layout's schedule has in flight then, each holding at least what the second forward of
-        those plans kept in this layout's AC mode."""
+        those plans kept in this layout's AC mode, and the receive buffers of all the step's rows."""
         if self._floor is not None:
             return self._floor
         bound = max(state_floor(s, self.replicas) for s in self.states.values())
@@ -285,7 +287,11 @@ class _Sized:
         schedule = p.flags["parallelism.pipeline_parallel_schedule"]
         # counted at one row per microbatch: more rows per microbatch keep more in each forward
         in_flight = forwards_before_first_backward(schedule, p.dims.pp, p.stages, p.peak_microbatches[1])
-        bounds = [bound, state_floor(state, self.replicas) + in_flight * keeps]
+        # what every row of the step keeps to its end (receive buffers, the rows), whatever the rows
+        # per microbatch; the keeps plans' own rows are in what they found alive
+        rows_kept = plans[0].microbatch_bytes * p.per_rank
+        more_rows = plans[0].microbatch_bytes * (p.per_rank - keys[0][0][4])
+        bounds = [bound, state_floor(state, self.replicas) + in_flight * keeps + rows_kept]
         more_shards = state_floor(state, self.replicas) - state_floor(state, 1)  # HSDP: planned at 1
         for k in range(min(len(plan.backward_starts) for plan in plans)):
             # the most alive in the first backward, which runs as the schedule's first does (its
@@ -294,7 +300,7 @@ class _Sized:
                            p.depths[mode])
             more = in_flight - k - plans[0].backward_starts[k][1]  # one backward done: one fewer
             if more >= 0:
-                bounds.append(alive + more_shards + more * keeps)
+                bounds.append(alive + more_shards + more * keeps + more_rows)
         self._floor = int(max(bounds))
         return self._floor
 
@@ -319,7 +325,8 @@ class _Sized:
         p, mode = self.piece, self.layout.ac_mode
         one = self.one_microbatch and rows == self.layout.rows
         return max(rank_peak(p.lookup(False), self.states[rank], rank, mode, p.depths[mode],
-                             p.peak_microbatches, p.rank_blocks[rank], rows, self.replicas, one)
+                             p.peak_microbatches, p.rank_blocks[rank], rows, self.replicas, one,
+                             p.per_rank // rows)
                    for rank in p.ranks)
 
 
@@ -355,10 +362,15 @@ def _microbatches(piece: _Piece) -> tuple[tuple[int, ...], dict[int, int]]:
     microbatches its peaks are planned at). A step's collectives are linear in its microbatches, so
     two counts give them at any count: 1 and 2 (with a pipeline, by its timing schedule), the step
     of 1 known from the plan of 2 (_Piece.timing_counts). The peak needs enough to fill the pipeline
-    (pp × stages per rank) or, without one, to accumulate gradients (2). A rank's real count, where
-    smaller, is used as it is; a cut batch the trainer refuses falls back to the real one."""
+    or, without one, to accumulate gradients (2); past that, each microbatch adds only what it keeps
+    to the step's end (depth_scaling.rank_peak). 1F1B: pp + 1 — at pp no forward follows the first
+    rank's first backward, so its second runs with one forward fewer in flight than in any longer
+    step. Interleaved1F1B: pp × stages per rank (its microbatches come in rounds of pp; the next
+    round's steady state holds one receive buffer more on the first rank, measured, which is left
+    out). A rank's real count, where smaller, is used as it is; a cut batch the trainer refuses falls
+    back to the real one."""
     pp, per_rank = piece.dims.pp, piece.per_rank
-    fill = 2 if pp == 1 else pp * piece.stages
+    fill = 2 if pp == 1 else pp + 1 if piece.stages == 1 else pp * piece.stages
     micro = tuple(sorted({1, min(per_rank, 2)}))
     if not all(piece.accepts(1, m, timing=True) for m in micro):
         micro = (per_rank,)

@@ -201,6 +201,45 @@ def test_a_pipelines_lower_bound_on_its_peak_holds_and_counts_its_forwards_in_fl
     assert above == {(stages, mode) for stages in (1, 2) for mode in ("none", "selective", "full")}, above
 
 
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_a_pipelined_peak_grows_past_its_planned_microbatches_by_what_each_keeps_to_the_end(schedule):
+    """Torch's pipeline stages make a receive buffer for every microbatch of a step (activations in,
+    gradients back) and keep them to its end, beside the step's rows: past the microbatches its peak
+    is planned at (1F1B: pp + 1, its first rank's steady state), a pipelined peak grows by them. The
+    search's peak of each planned rank at a step of 16 microbatches, of one row and of two, equals a
+    plan of that step (Interleaved1F1B's first rank: within the one receive buffer more its next round
+    holds), and exceeds the planned count's peak by at least those buffers."""
+    from components.config.loading import load_config
+    from planning.depth_scaling import rank_peak
+    from planning.search import _piece, _plan
+    from training.assembly import load_model_family
+
+    cfg = load_config([*MODEL, "--training.global_batch_size", "16"])
+    spec, model_args = load_model_family(cfg)
+    flags = {"parallelism.pipeline_parallel_degree": 2, "parallelism.pipeline_parallel_schedule": schedule,
+             "parallelism.data_parallel_shard_degree": -1, "parallelism.data_parallel_replicate_degree": 1}
+    piece = _piece(cfg, flags, 2, spec, model_args, "cuda")
+    assert piece.per_rank == 16 and max(piece.peak_microbatches.values()) < 16
+    scaled_keys = [piece.plan_key(key, False) for key in
+                   [(rank, "full", k, rows, m) for rank in piece.ranks for k in (1, 2)
+                    for rows, m in piece.peak_microbatches.items()]]
+    direct_keys = [piece.plan_key((rank, "full", 1, rows, 16 // rows), False) for rank in piece.ranks
+                   for rows in piece.peak_microbatches]
+    _plan([(piece, key) for key in scaled_keys + direct_keys], 2)
+    assert not piece.errors, piece.errors
+    for rank in piece.ranks:
+        for rows, count in piece.peak_microbatches.items():
+            planned = piece.results[piece.plan_key((rank, "full", 1, rows, count), False)]
+            direct = piece.results[piece.plan_key((rank, "full", 1, rows, 16 // rows), False)]
+            scaled = rank_peak(piece.lookup(False), direct, rank, "full", (1, 2), piece.peak_microbatches, 1,
+                               rows, 1, False, 16 // rows)
+            kept = direct.microbatch_bytes
+            assert kept > 0 and direct.peak - planned.peak >= kept * (16 // rows - count) - 64
+            # to a few bytes (a step's scalars); Interleaved1F1B's first rank one buffer more
+            slack = 64 + (kept if schedule == "Interleaved1F1B" and rank == piece.ranks[0] else 0)
+            assert -64 <= direct.peak - scaled <= slack, (rank, rows, direct.peak, scaled, kept)
+
+
 MOE = ["--config", "llama_debug", "--model.name", "moe", "--training.seq_len", "64",
        "--training.global_batch_size", "8"]
 
