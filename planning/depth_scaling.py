@@ -138,29 +138,38 @@ def state_floor(state: RankPlan, replicas: int) -> int:
 
 def rank_peak(plan_of: Lookup, state: RankPlan, rank: int, mode: str, depths: tuple[int, int],
               peak_microbatches: dict[int, int], blocks: float, rows: int, replicas: int,
-              one_microbatch: bool, microbatches: int = 0) -> int:
+              one_microbatch: bool, microbatches: int = 0, own: int | None = None) -> int:
     """The rank's peak in AC `mode` (planned at `depths` blocks per stage, at the rows per microbatch
     `peak_microbatches` maps to the microbatches planned with them, enough to fill the pipeline or to
     accumulate gradients) at `blocks` per stage, `rows` per microbatch and, under a pipeline,
     `microbatches` per step: each keeps its receive buffers and rows to the step's end
     (RankPlan.microbatch_bytes), so a pipelined peak grows by them past the planned count.
     `one_microbatch` when a step of several rows per rank runs them as one microbatch without
-    pipelining."""
+    pipelining. With `own`, another rank planned at the fewest blocks only: that rank, growing by
+    what a block adds to `rank`'s peak (a middle pipeline rank, by the first's, which holds a
+    forward more in flight: a little more)."""
     def plans(r: int) -> tuple[RankPlan, RankPlan]:
         one, two = (plan_of((rank, mode, k, r, peak_microbatches[r])) for k in depths)
         return one, two
 
+    def steady(plan: RankPlan, r: int) -> float:
+        """Its peak without what its planned microbatches keep to the step's end."""
+        return plan.peak - peak_microbatches[r] * plan.microbatch_bytes
+
+    def own_plan(r: int) -> RankPlan:
+        return plan_of((rank if own is None else own, mode, depths[0], r, peak_microbatches[r]))
+
     def peak_at(r: int) -> float:
-        """At `r` rows, without what its planned microbatches keep to the step's end."""
-        return linear(*(p.peak - peak_microbatches[r] * p.microbatch_bytes for p in plans(r)), blocks, depths)
+        one, two = (steady(p, r) for p in plans(r))
+        return steady(own_plan(r), r) + linear(one, two, blocks, depths) - one
 
     at_one_row = peak = peak_at(1)
-    kept = plans(1)[0].microbatch_bytes  # per microbatch of one row: buffers and rows, both as the rows
+    kept = own_plan(1).microbatch_bytes  # per microbatch of one row: buffers and rows, both as the rows
     planned = peak_microbatches[1]
     if rows > 1 and 2 in peak_microbatches:  # the peak's growth per row, itself linear in the blocks
         two_rows = peak_at(2)
         peak += (two_rows - at_one_row) * (rows - 1)
-        kept += (plans(2)[0].microbatch_bytes - kept) * (rows - 1)
+        kept += (own_plan(2).microbatch_bytes - kept) * (rows - 1)
         planned = peak_microbatches[2]
     elif rows > 1:  # one row planned only: everything above the state grows with the rows
         peak += (at_one_row - held(state)) * (rows - 1)

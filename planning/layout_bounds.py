@@ -7,16 +7,14 @@ fit; tests/e2e/test_plan_search_bounds.py checks that they stay below what its p
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from models.common.moe import GroupedExperts
 from planning.comm_floor import expert_parallel_floor, fsdp_floor, tensor_parallel_floor
 from planning.devices import Device
 from planning.layout_space import closed_form_bubble, layout_degrees, rows_options
-from planning.step_time import LayoutFacts, predict
+from planning.step_time import LayoutFacts, predict, rank_flops
 
 if TYPE_CHECKING:
     from planning.search import _Piece
@@ -38,11 +36,12 @@ def speed_bound(piece: _Piece, device: Device, flops_per_token: float, seq_len: 
     for replicas in (r for r in piece.replicas if d.dp % r == 0 and d.dp // r * d.cp % d.ep == 0):
         if least_peak(piece, replicas) > capacity:
             continue
-        facts = LayoutFacts(layout_degrees(d, replicas), max(int(round(piece.blocks * piece.stages)), 1),
-                            "none", **speedups)
+        degrees = layout_degrees(d, replicas)
+        facts = LayoutFacts(degrees, max(int(round(piece.blocks * piece.stages)), 1), "none", **speedups)
         floor = communication_floor(piece, tokens, replicas)  # without latencies, which only add
-        step = predict(flops_per_token * tokens / d.world_size, bubble, floor, {}, tokens / d.world_size,
-                       facts, device.peak_tflops, device.links, device.efficiency)
+        flops = rank_flops(flops_per_token, piece.moe_flops_per_token, tokens, d.world_size, degrees)
+        step = predict(flops, bubble, floor, {}, tokens / d.world_size, facts, device.peak_tflops,
+                       device.links, device.efficiency)
         best = max(best, step.tokens_per_second_per_device)
     return best
 
@@ -106,17 +105,3 @@ def fsdp_passes(piece: _Piece) -> tuple[int, int]:
     microbatches = piece.per_rank // max(rows_options(piece.per_rank))
     reshard = piece.cfg.parallelism.fsdp_reshard_after_forward != "never"
     return microbatches * (2 if reshard else 1), microbatches
-
-
-def block_parameters(spec: Any, args: Any) -> tuple[int, int]:
-    """The parameters one block adds to the model, and of them its routed experts' (an MoE block
-    where the model has them, as the search's cut models are)."""
-    cut = {"n_dense_layers": 0} if hasattr(args, "n_dense_layers") else {}
-    counts = []
-    for n in (1, 2):
-        with torch.device("meta"):
-            model = spec.model_cls(dataclasses.replace(args, n_layers=n, **cut))
-        experts = [p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()]
-        counts.append((sum(p.numel() for p in model.parameters()), sum(p.numel() for p in experts)))
-    (every_one, experts_one), (every_two, experts_two) = counts
-    return every_two - every_one, experts_two - experts_one

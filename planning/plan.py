@@ -22,8 +22,9 @@ from components.config.sections import JobConfig
 from components.runtime.errors import KilnError
 from models import ModelSpec
 from planning.devices import DEVICES, Device  # noqa: F401  (DEVICES: scripts/plan.py's table)
+from planning.model_shape import moe_flops_per_token
 from planning.rank_plan import RankPlan, plan_rank
-from planning.step_time import LayoutFacts, StepTime, predict
+from planning.step_time import LayoutFacts, StepTime, predict, rank_flops
 from training.assembly import build_layout, load_model_family
 
 AC_MODES = ("none", "selective", "full")
@@ -63,6 +64,7 @@ class Plan:
     reduce_dtype: str = "float32"  # what gradients are reduced in
     hidden: int = 0  # the model's hidden size (what an MoE layer's all-to-alls send per routed token)
     top_k: int = 0  # experts each token is routed to (0: a dense model)
+    moe_flops_per_token: float = 0.0  # the MoE layers' (planning/model_shape.py)
     ranks: list[RankPlan] = field(default_factory=list)
     seconds: float = 0.0  # wall time of planning
     suggestions: list[Suggestion] = field(default_factory=list)  # single changes tried (suggest_changes)
@@ -92,9 +94,10 @@ class Plan:
         eff = self.device.efficiency
         if self.mfu is not None:
             eff = dataclasses.replace(eff, compute=self.mfu)
-        flops = self.flops_per_token * self.tokens_per_step / self.world_size
         facts = self.facts or LayoutFacts({"pp": 1, "dp_replicate": 1, "dp_shard": self.world_size, "cp": 1,
                                            "tp": 1, "ep": 1}, 1)
+        flops = rank_flops(self.flops_per_token, self.moe_flops_per_token, self.tokens_per_step,
+                           self.world_size, facts.degrees)
         per_device = self.tokens_per_step / self.world_size
         times = [predict(flops, r.bubble or 0.0, r.communication, r.calls, per_device, facts,
                          self.device.peak_tflops, self.device.links, eff) for r in self.ranks]
@@ -116,9 +119,12 @@ class Plan:
 
 
 def default_ranks(world_size: int, pp: int) -> list[int]:
-    """The ranks that differ: the first of the first pipeline stage and of the last one (EP and the
-    data-parallel ranks hold the same sizes under balanced routing)."""
-    return sorted({0, (pp - 1) * (world_size // pp)})
+    """The ranks that differ: the first of the first pipeline stage, of the second (a middle one:
+    receive buffers both ways, neither the embedding nor the head, the most forwards in flight of
+    the middle ones) and of the last one (EP and the data-parallel ranks hold the same sizes under
+    balanced routing)."""
+    per_stage = world_size // pp
+    return sorted({0, per_stage if pp > 2 else 0, (pp - 1) * per_stage})
 
 
 @dataclass
@@ -199,6 +205,7 @@ def _finish(pending: _Pending, done: list[RankPlan]) -> Plan:
     plan.layout = dims.describe(options, num_stages, plan.microbatches if dims.pp > 1 else 0)
     plan.num_params = count_parameters(spec, args)
     plan.flops_per_token = spec.flops_per_token_fn(args, plan.num_params, plan.seq_len)
+    plan.moe_flops_per_token = moe_flops_per_token(spec, args)
     plan.seconds = time.perf_counter() - pending.start
     return plan
 

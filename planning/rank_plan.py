@@ -76,6 +76,9 @@ class RankPlan:
     # bytes one more pipeline microbatch keeps alive through the whole step: torch's stages hold a
     # receive buffer per microbatch (activations in, gradients back) and the step holds its rows
     microbatch_bytes: int = 0
+    # the most alive during the rank's last backward: its own forward alone in flight, every other
+    # backward of the step done (torch reduces the gradients after it) — in any schedule's step
+    last_backward_peak: int = 0
     seconds: float = 0.0  # how long planning this rank took
     ac_peaks: dict[str, int] = field(default_factory=dict)  # peak per activation-checkpoint mode
 
@@ -184,7 +187,9 @@ class PipelineMicrobatchWatch:
         self.bytes: dict[tuple[str, str], int] = {}
         self.calls: dict[tuple[str, str], int] = {}
         self.backward_starts: list[tuple[int, int, int]] = []
-        self.first_forward_alive: int | None = None  # bytes alive as the step's first forward began
+        self.mark = tracker.born  # made just before the step's rows
+        self.kept_at_first_forward: int | None = None  # of what was made since, alive at the first forward
+        self.last_backward_peak = 0
         forwards: dict[int, int] = {}
         backwards: set[int] = set()
         run_backwards = itertools.count()
@@ -192,8 +197,8 @@ class PipelineMicrobatchWatch:
             forward, backward, index = stage.forward_one_chunk, stage.backward_one_chunk, stage.stage_index
 
             def counted_forward(*args: Any, _run: Callable = forward, _i: int = index, **kwargs: Any) -> Any:
-                if self.first_forward_alive is None:
-                    self.first_forward_alive = tracker.now
+                if self.kept_at_first_forward is None:
+                    self.kept_at_first_forward = tracker.alive_since(self.mark)
                 forwards[_i] = forwards.get(_i, 0) + 1
                 return self._counted(_run, forwards[_i] == 2, *args, **kwargs)
 
@@ -207,6 +212,7 @@ class PipelineMicrobatchWatch:
                 out = self._counted(_run, first, *args, last_backward=last_backward, **kwargs)
                 if done < 2:
                     self.backward_starts.append((start, sum(forwards.values()) - done, tracker.window_peak))
+                self.last_backward_peak = tracker.window_peak  # the step's last, once it has run
                 return out
 
             stage.forward_one_chunk, stage.backward_one_chunk = counted_forward, counted_backward
@@ -228,11 +234,10 @@ class PipelineMicrobatchWatch:
                     total[key] = total.get(key, 0) + n
         return out
 
-    def microbatch_bytes(self, before_batch: int, microbatches: int) -> int:
-        """What each microbatch keeps alive through the step: all that the step's rows and the
-        schedule's buffers (made for every microbatch before the first forward) added to
-        `before_batch`, the bytes alive before the step's rows were made, per microbatch."""
-        return (self.first_forward_alive - before_batch) // microbatches if self.first_forward_alive else 0
+    def microbatch_bytes(self, microbatches: int) -> int:
+        """What each microbatch keeps alive through the step: the step's rows and the schedule's
+        receive buffers (made for every microbatch before the first forward), per microbatch."""
+        return (self.kept_at_first_forward or 0) // microbatches
 
     def one_microbatch(self, microbatches: int) -> tuple[dict, dict]:
         """(mesh dim, kind) → bytes, and → calls, of one microbatch (of a step of `microbatches`)."""
@@ -390,7 +395,6 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
     tracker.reset_peak()
     second_forwards = _second_forward_growth(parts, tracker)
     watch = PipelineMicrobatchWatch(step.pipeline, tracker) if step.pipeline is not None else None
-    before_batch = tracker.now
     step(_microbatches(cfg, dims, global_batch, args.vocab_size))
     tracker.finish()
     one_more = step.first_microbatch  # without a pipeline; with one:
@@ -410,8 +414,8 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
                     forward_keeps=min(second_forwards.values()) if len(second_forwards) == len(parts) else 0,
                     microbatch_communication=microbatch_communication, microbatch_calls=microbatch_calls,
                     backward_starts=watch.backward_starts if watch is not None else [],
-                    microbatch_bytes=(watch.microbatch_bytes(before_batch, step.pipeline.n_microbatches)
-                                      if watch is not None else 0))
+                    last_backward_peak=watch.last_backward_peak if watch is not None else 0,
+                    microbatch_bytes=watch.microbatch_bytes(step.pipeline.n_microbatches) if watch else 0)
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:

@@ -139,7 +139,13 @@ def step_lines(plan: Plan) -> list[str]:
     speedups = "".join([" × compile" * bool(plan.facts and plan.facts.compile),
                         " × float8" * bool(plan.facts and plan.facts.float8)])
     comm = ", ".join(f"{dim} {t.exposed[dim]:.3g} of {t.comm[dim]:.3g}" for dim in sorted(t.comm)) or "none"
-    return [f"compute  {plan.flops_per_token / 1e9:,.2f} GFLOP/token → {t.compute:,.3g} s at {compute:.0%}"
+    degrees = plan.facts.degrees if plan.facts else {}
+    redundant = ""
+    if degrees.get("ep", 1) > 1 and degrees.get("tp", 1) > 1:
+        extra = plan.moe_flops_per_token * (degrees["tp"] - 1) / 1e9
+        redundant = f" + {extra:,.2f} (the MoE layers, which every TP rank runs whole under EP)"
+    return [f"compute  {plan.flops_per_token / 1e9:,.2f}{redundant} GFLOP/token → {t.compute:,.3g} s "
+            f"at {compute:.0%}"
             f"{speedups} of {plan.device.peak_tflops:,.4g} TFLOP/s"
             + (f" (AC {plan.ac_mode} recomputes)" if plan.ac_mode != "none" else "")
             + (f"; pipeline bubble {t.bubble:.1%}" if t.bubble else ""),

@@ -16,10 +16,10 @@ layout faster than any untimed one could be is checked at once — fastest first
 (its AC mode at one and two rows per microbatch) until `top` of them fit. The layouts still untimed
 then could not have been among them: the ranking is the one timing every layout would give. Not
 planned at all: a layout whose peak has a lower bound above the device (its model's shape's least
-peak; its state; under a pipeline, what the first rank holds in the first backwards of two short
-plans in its AC mode, with every forward the layout's schedule has in flight then; and once planned,
-each rank's peak at the fewest blocks, before the deeper plans), and one whose fewer rows per
-microbatch were already too big.
+peak; its state; under a pipeline, what two short plans in its AC mode show — each end rank's last
+backward, and the first rank's first backwards with every forward the layout's schedule has in
+flight then; and once planned, each rank's peak at the fewest blocks, before the deeper plans), and
+one whose fewer rows per microbatch were already too big.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from parallelisms.layout_checks import stage_layers
 from parallelisms.pipeline import stage_ids
 from planning.depth_scaling import Key, held, linear, one_microbatch_fewer, rank_peak, rank_state, state_floor
 from planning.devices import Device
-from planning.layout_bounds import block_parameters, least_peak, speed_bound
+from planning.layout_bounds import least_peak, speed_bound
 from planning.layout_space import (
     SCHEDULES,
     closed_form_bubble,
@@ -47,10 +47,11 @@ from planning.layout_space import (
     layout_degrees,
     rows_options,
 )
+from planning.model_shape import block_parameters, moe_flops_per_token
 from planning.pipeline_bubble import forwards_before_first_backward
 from planning.plan import AC_MODES, _run_tasks, count_parameters, default_ranks
 from planning.rank_plan import RankPlan
-from planning.step_time import LayoutFacts, StepTime, predict
+from planning.step_time import LayoutFacts, StepTime, predict, rank_flops
 from training.assembly import build_layout, load_model_family
 
 PlanKey = tuple[Key, bool]  # a plan and whether it times the collectives (a pipeline's timing schedule)
@@ -127,10 +128,12 @@ class _Piece:
     depths: dict[str, tuple[int, int]]  # AC mode → blocks per stage planned
     index: int = 0  # its place among the enumerated layouts (the ranking's tie-break)
     rank_blocks: dict[int, float] = field(default_factory=dict)  # rank → blocks per stage it is scaled to
+    middle: int | None = None  # a middle pipeline rank, whose peak alone is planned (at the fewest blocks)
     timing_microbatches: tuple[int, ...] = (1,)  # microbatches per step the collectives are planned at
     peak_microbatches: dict[int, int] = field(default_factory=dict)  # rows per microbatch → microbatches
     replicas: set[int] = field(default_factory=lambda: {1})  # HSDP replica counts derived from it
     block_parameters: tuple[int, int] = (0, 0)  # what a block adds: all parameters, the routed experts'
+    moe_flops_per_token: float = 0.0  # the MoE layers' (planning/model_shape.py)
     results: dict[PlanKey, RankPlan] = field(default_factory=dict)
     errors: dict[PlanKey, BaseException] = field(default_factory=dict)  # plans that raised
 
@@ -191,18 +194,23 @@ class _Piece:
                         self.device_type) is not None
 
     def keeps_keys(self, mode: str) -> list[PlanKey]:
-        """The plans whose second forward tells what each forward in flight keeps in AC `mode`: a
-        pipeline's first rank timed at two microbatches (without AC, among the base plans)."""
+        """The plans that bound a pipeline's peak in AC `mode` (_Sized._rank_keeps_bounds): each
+        planned rank timed at two microbatches (without AC, the base plans and the last rank at two
+        blocks per stage)."""
         if self.timing_schedule is None or self.timing_microbatches != (1, 2):
             return []
-        return [self.plan_key((self.ranks[0], mode, k, 1, 2), True) for k in self.depths[mode]]
+        return [self.plan_key((rank, mode, k, 1, 2), True) for rank in self.ranks for k in self.depths[mode]]
+
+    def peak_ranks(self) -> list[int]:
+        """The ranks whose peaks are planned: the timed ones and a middle pipeline rank."""
+        return self.ranks + ([self.middle] if self.middle is not None else [])
 
     def first_peaks(self, mode: str) -> list[PlanKey]:
         """Under a pipeline, every planned rank's peak plan in AC `mode` at its fewest blocks, one row."""
         if self.dims.pp == 1:
             return []
         return [self.plan_key((rank, mode, self.depths[mode][0], 1, self.peak_microbatches[1]), False)
-                for rank in self.ranks]
+                for rank in self.peak_ranks()]
 
     def base(self) -> list[PlanKey]:
         """The plans every layout of the piece is timed from: no AC, one row, each planned count; at
@@ -214,7 +222,8 @@ class _Piece:
         """The plans a layout of this piece in `mode` at `rows` per microbatch is sized from."""
         counts = [r for r in self.peak_microbatches if r == 1 or rows > 1]
         return [self.plan_key((rank, mode, k, r, self.peak_microbatches[r]), False) for r in counts
-                for k in self.depths[mode] for rank in self.ranks]
+                for k in self.depths[mode] for rank in self.peak_ranks()
+                if rank != self.middle or k == self.depths[mode][0]]
 
     def unplanned(self, keys: list[PlanKey]) -> list[PlanKey]:
         """Those of `keys` neither planned nor failed."""
@@ -243,6 +252,7 @@ class _Sized:
     one_microbatch: bool  # several rows per rank in one microbatch, without a pipeline
     least_peak: int  # what the model's shape alone says its first rank holds (planning/layout_bounds.py)
     _floor: int | None = None  # the lower bound on the peak, once its keeps plans are done
+    _from_none: int | None = None  # selective AC's bound before them, once the base plans are done
 
     @property
     def floor(self) -> int:
@@ -259,50 +269,91 @@ class _Sized:
         for key in p.first_peaks(mode):
             (rank, _, blocks, _, planned), _ = key
             if key in p.results and p.rank_blocks[rank] >= blocks:
-                state, plan = self.states[rank], p.results[key]
+                state, plan = self.states.get(rank, self.states[p.ranks[0]]), p.results[key]
                 # every row of the step keeps its share of buffers to the step's end, whatever the rows
                 more_rows = (p.per_rank - planned) * plan.microbatch_bytes
                 out = max(out, plan.peak + more_rows + (held(state) - state.buffers) * (self.replicas - 1))
         return out
 
     def _keeps_floor(self) -> int:
-        """The state; and under a pipeline, once its keeps plans are done (_Piece.keeps_keys), what the
-        first rank holds as its first and second backwards begin — the keeps plans' state, gathered
-        parameters, gradients accumulated so far and forwards in flight, with as many more forwards as
-        the layout's schedule has in flight then, each holding at least what the second forward of
-        those plans kept in this layout's AC mode, and the receive buffers of all the step's rows."""
+        """The state; and under a pipeline, once its keeps plans are done (_Piece.keeps_keys), what
+        each planned rank holds at least at its last backward and, the first rank, as its first and
+        second backwards begin (_rank_keeps_bounds)."""
         if self._floor is not None:
             return self._floor
         bound = max(state_floor(s, self.replicas) for s in self.states.values())
-        p, mode = self.piece, self.layout.ac_mode
-        keys = p.keeps_keys(mode)
+        p = self.piece
+        keys = p.keeps_keys(self.layout.ac_mode)
         if not keys or not all(key in p.results for key in keys):
-            return bound
-        first = p.ranks[0]  # the only rank timed at two blocks per stage
-        # at the blocks its peak is scaled to (it stands for the middle ranks, which may hold more)
-        blocks = p.rank_blocks[first]
-        plans = [p.results[key] for key in keys]
+            return max(bound, self._selective_floor_from_none())
+        bounds = [bound]
+        for rank in p.ranks:
+            plans = [p.results[key] for key in keys if key[0][0] == rank]
+            bounds += self._rank_keeps_bounds(rank, plans, keys[0][0][4])
+        self._floor = int(max(bounds))
+        return self._floor
+
+    def _selective_floor_from_none(self) -> int:
+        """Under a pipeline, before its own keeps plans, selective AC of every N-th block: its other
+        blocks keep what they keep without AC, so what each forward in flight keeps is at least the
+        base plans' second forward's with a block's share for every N-th block taken out — the
+        first rank's state, with as many forwards as its schedule has in flight at the first
+        backward and the receive buffers of all the step's rows. 0 for other modes."""
+        if self._from_none is not None:
+            return self._from_none
+        p = self.piece
+        option = p.cfg.activation_checkpoint.selective_ac_option
+        first = p.ranks[0]
+        keys = [key for key in p.keeps_keys("none") if key[0][0] == first]
+        if self.layout.ac_mode != "selective" or not option.isdigit() or not keys \
+                or not all(key in p.results for key in keys):
+            return 0
+        one, two = (p.results[key] for key in keys)
+        per_block, blocks = two.forward_keeps - one.forward_keeps, p.rank_blocks[first]
+        keeps = one.forward_keeps - per_block + per_block * blocks * (1 - 1 / int(option))
         state = rank_state(p.lookup(True), first, blocks, p.timing_microbatches, 1, 1, self.replicas, first)
-        keeps = linear(*(plan.forward_keeps for plan in plans), blocks, p.depths[mode])
+        schedule = p.flags["parallelism.pipeline_parallel_schedule"]
+        in_flight = forwards_before_first_backward(schedule, p.dims.pp, p.stages, p.peak_microbatches[1])
+        self._from_none = int(state_floor(state, self.replicas) + in_flight * keeps
+                              + one.microbatch_bytes * p.per_rank)
+        return self._from_none
+
+    def _rank_keeps_bounds(self, rank: int, plans: list[RankPlan], planned: int) -> list[float]:
+        """Lower bounds on a rank's peak from its keeps plans (one and two blocks, `planned`
+        microbatches by the timing schedule), at the blocks its peak is scaled to, with the receive
+        buffers of all the step's rows: its last backward, which holds what that of every schedule
+        does (its own forward alone in flight, the step's gradients accumulated); and on the first
+        rank its first and second backwards' starts — the keeps plans' state, gathered parameters,
+        gradients accumulated so far and forwards in flight, with as many more forwards as the
+        layout's schedule has in flight then, each holding at least what the second forward of those
+        plans kept in this layout's AC mode."""
+        p, mode = self.piece, self.layout.ac_mode
+        # the first rank's at the blocks its peak is scaled to (it stands for the middle ranks)
+        blocks, depths = p.rank_blocks[rank], p.depths[mode]
+        state = rank_state(p.lookup(True), rank, blocks, p.timing_microbatches, 1, 1, self.replicas,
+                           p.ranks[0])
+        more_shards = state_floor(state, self.replicas) - state_floor(state, 1)  # HSDP: planned at 1
+        # what every row of the step keeps to its end (receive buffers, the rows), whatever the rows
+        # per microbatch; the keeps plans' own rows are in what they found alive
+        more_rows = plans[0].microbatch_bytes * (p.per_rank - planned)
+        last_backward = linear(*(plan.last_backward_peak for plan in plans), blocks, depths)
+        bounds = [last_backward + more_shards + more_rows]
+        if rank != p.ranks[0]:
+            return bounds
+        keeps = linear(*(plan.forward_keeps for plan in plans), blocks, depths)
         schedule = p.flags["parallelism.pipeline_parallel_schedule"]
         # counted at one row per microbatch: more rows per microbatch keep more in each forward
         in_flight = forwards_before_first_backward(schedule, p.dims.pp, p.stages, p.peak_microbatches[1])
-        # what every row of the step keeps to its end (receive buffers, the rows), whatever the rows
-        # per microbatch; the keeps plans' own rows are in what they found alive
-        rows_kept = plans[0].microbatch_bytes * p.per_rank
-        more_rows = plans[0].microbatch_bytes * (p.per_rank - keys[0][0][4])
-        bounds = [bound, state_floor(state, self.replicas) + in_flight * keeps + rows_kept]
-        more_shards = state_floor(state, self.replicas) - state_floor(state, 1)  # HSDP: planned at 1
+        bounds.append(state_floor(state, self.replicas) + in_flight * keeps
+                      + plans[0].microbatch_bytes * p.per_rank)
         for k in range(min(len(plan.backward_starts) for plan in plans)):
             # the most alive in the first backward, which runs as the schedule's first does (its
             # second is the plan's last of a stage, which reduces the gradients; the schedule's not)
-            alive = linear(*(plan.backward_starts[k][2 if k == 0 else 0] for plan in plans), blocks,
-                           p.depths[mode])
+            alive = linear(*(plan.backward_starts[k][2 if k == 0 else 0] for plan in plans), blocks, depths)
             more = in_flight - k - plans[0].backward_starts[k][1]  # one backward done: one fewer
             if more >= 0:
                 bounds.append(alive + more_shards + more * keeps + more_rows)
-        self._floor = int(max(bounds))
-        return self._floor
+        return bounds
 
     def keeps_missing(self) -> list[PlanKey]:
         """The keeps plans of this layout's AC mode not yet run (none without a pipeline)."""
@@ -324,10 +375,16 @@ class _Sized:
         """The fullest rank's peak in this layout's AC mode and HSDP split at `rows` per microbatch."""
         p, mode = self.piece, self.layout.ac_mode
         one = self.one_microbatch and rows == self.layout.rows
-        return max(rank_peak(p.lookup(False), self.states[rank], rank, mode, p.depths[mode],
-                             p.peak_microbatches, p.rank_blocks[rank], rows, self.replicas, one,
-                             p.per_rank // rows)
-                   for rank in p.ranks)
+        microbatches = p.per_rank // rows
+        peaks = [rank_peak(p.lookup(False), self.states[rank], rank, mode, p.depths[mode],
+                           p.peak_microbatches, p.rank_blocks[rank], rows, self.replicas, one, microbatches)
+                 for rank in p.ranks]
+        if p.middle is not None:  # grown as the first rank: the blocks are alike, the ends differ
+            first = p.ranks[0]
+            peaks.append(rank_peak(p.lookup(False), self.states[first], first, mode, p.depths[mode],
+                                   p.peak_microbatches, p.rank_blocks[p.middle], rows, self.replicas, one,
+                                   microbatches, own=p.middle))
+        return max(peaks)
 
 
 def _piece(cfg: JobConfig, flags: dict[str, Any], world: int, spec: Any, args: Any, device_type: str
@@ -342,7 +399,7 @@ def _piece(cfg: JobConfig, flags: dict[str, Any], world: int, spec: Any, args: A
     stages = 2 if flags.get("parallelism.pipeline_parallel_schedule") == SCHEDULES[2] else 1
     option = changed.activation_checkpoint.selective_ac_option
     piece = _Piece(flags, changed, dims, batch, args.n_layers / (dims.pp * stages),
-                   default_ranks(world, dims.pp), stages, spec, args, device_type,
+                   _timed_ranks(world, dims.pp), stages, spec, args, device_type,
                    {mode: _depths(mode, option) for mode in AC_MODES})
     piece.rank_blocks = dict.fromkeys(piece.ranks, piece.blocks)
     if dims.pp > 1:  # a split can be uneven: the first and last stages take a block fewer
@@ -350,11 +407,23 @@ def _piece(cfg: JobConfig, flags: dict[str, Any], world: int, spec: Any, args: A
         schedule = changed.parallelism.pipeline_parallel_schedule
         blocks = [sum(len(layers[i]) for i in stage_ids(r, dims.pp, schedule)) / stages
                   for r in range(dims.pp)]
-        # the first rank stands for every rank but the last, at the most blocks of any: it holds the
-        # most forwards in flight, and the embedding (a middle rank is not planned)
+        # the first rank's collectives stand for every rank's but the last, at the most blocks of
+        # any; a middle rank (pp coordinate 1: the most forwards in flight of them) has receive
+        # buffers both ways and neither the embedding nor the head: its peak is planned too
         piece.rank_blocks = {piece.ranks[0]: max(blocks[:-1]), piece.ranks[-1]: blocks[-1]}
+        if dims.pp > 2:
+            piece.middle = world // dims.pp
+            piece.rank_blocks[piece.middle] = max(blocks[1:-1])
     piece.timing_microbatches, piece.peak_microbatches = _microbatches(piece)
     return piece
+
+
+def _timed_ranks(world: int, pp: int) -> list[int]:
+    """The ranks a piece is timed from: the first and the last pipeline stage's. A middle one gathers
+    and reduces as the first, scaled to the most blocks of any but the last; it also sends to both
+    neighbours, which is not timed apart. Its peak is planned alone (_Piece.middle)."""
+    ranks = default_ranks(world, pp)
+    return [ranks[0], ranks[-1]] if len(ranks) > 2 else ranks
 
 
 def _microbatches(piece: _Piece) -> tuple[tuple[int, ...], dict[int, int]]:
@@ -449,7 +518,8 @@ def _size(piece: _Piece, device: Device, flops_per_token: float, seq_len: int, r
         state = rank_state(piece.lookup(True), rank, piece.rank_blocks[rank], piece.timing_microbatches,
                            microbatches, per_rank, replicas, first=piece.ranks[0])
         states[rank] = state
-        steps.append(predict(flops_per_token * tokens / d.world_size, bubble, state.communication,
+        flops = rank_flops(flops_per_token, piece.moe_flops_per_token, tokens, d.world_size, degrees)
+        steps.append(predict(flops, bubble, state.communication,
                              state.calls, tokens / d.world_size, facts, device.peak_tflops, device.links,
                              device.efficiency))
     layout.step = max(steps, key=lambda t: t.seconds)
@@ -549,9 +619,9 @@ def search(cfg: JobConfig, world: int, device: Device, *, device_type: str = "cu
     workers = workers or os.cpu_count() or 1
     flops_per_token = spec.flops_per_token_fn(args, count_parameters(spec, args), t.seq_len)
     speedups = {"compile": cfg.compile.enable, "float8": float8}
-    block = block_parameters(spec, args)
+    block, moe_flops = block_parameters(spec, args), moe_flops_per_token(spec, args)
     for piece in pieces:
-        piece.block_parameters = block
+        piece.block_parameters, piece.moe_flops_per_token = block, moe_flops
     bounds = {id(p): speed_bound(p, device, flops_per_token, t.seq_len, speedups) for p in pieces}
     untimed = sorted(pieces, key=lambda p: -bounds[id(p)])
     waiting: list[_Sized] = []  # timed, not yet checked against memory

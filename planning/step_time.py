@@ -4,9 +4,10 @@ them the layout hides behind compute (docs/planning.md, "The step-time model").
 
     step = compute × recompute / (1 − bubble) + exposed communication
 
-- compute: the step's training FLOPs on this rank (FLOPs per token × tokens per step ÷ world)
-  over peak × efficiency (× the compile and float8 speed-ups, which the efficiency table holds);
-  activation checkpointing recomputes the forward of what it drops (full: +1/3);
+- compute: the step's training FLOPs on this rank (FLOPs per token × tokens per step ÷ world; with
+  TP and EP both, the MoE layers tp times over: each TP rank runs them whole) over peak × efficiency
+  (× the compile and float8 speed-ups, which the efficiency table holds); activation
+  checkpointing recomputes the forward of what it drops (full: +1/3);
 - a collective of `n` ranks moves its counted bytes times (n − 1)/n (all-gather, reduce-scatter,
   all-to-all) or 2(n − 1)/n (all-reduce) over the slowest link its ranks span — within a node
   (NVLink) when the dimension's ranks fit in one, else the network — plus (n − 1) latencies a call;
@@ -85,6 +86,15 @@ def group_span(dim: str, d: dict[str, int]) -> tuple[int, int]:
              "dp_shard_mod_ep": (shard * cp // max(d["ep"], 1), d["ep"] * tp)}
     size, stride = sizes.get(dim, (1, 1))
     return size, size * stride
+
+
+def rank_flops(flops_per_token: float, moe_flops_per_token: float, tokens: float, world: int,
+               degrees: dict[str, int]) -> float:
+    """A rank's share of a step's training FLOPs (before recompute): every token's ÷ world, and with
+    TP and EP both, the MoE layers' `moe_flops_per_token` (tp − 1) times more: each TP rank runs
+    them whole on the whole sequence (models/moe/parallelize.py), redundant work a step waits for."""
+    redundant = moe_flops_per_token * (degrees["tp"] - 1) if degrees.get("ep", 1) > 1 else 0.0
+    return (flops_per_token + redundant) * tokens / world
 
 
 def recompute_factor(mode: str, option: str) -> float:

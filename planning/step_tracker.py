@@ -80,6 +80,8 @@ class StepTracker(TorchDispatchMode):
         self.gradient_storages: Callable[[], list[torch.UntypedStorage]] = list
         self._peak_pending = False
         self._sizes: dict[int, tuple[str, int, weakref.ref]] = {}  # id(storage) → (category, bytes, ref)
+        self.born = 0  # storages counted so far (a mark for alive_since)
+        self._birth: dict[int, int] = {}  # id(storage) → `born` when it was counted
         self._original_resize: Callable | None = None
         self._original_propagate: Callable | None = None
         self._propagating = 0  # inside DTensor's shape propagation (not the rank's memory)
@@ -101,6 +103,8 @@ class StepTracker(TorchDispatchMode):
         nbytes = storage.nbytes()
         label = category or self.category
         self._sizes[key] = (label, nbytes, weakref.ref(storage, lambda _, k=key: self._forget(k)))
+        self._birth[key] = self.born
+        self.born += 1
         self.live[label] += nbytes
         self._update_peak()
 
@@ -123,7 +127,12 @@ class StepTracker(TorchDispatchMode):
             return
         self._snapshot_peak()
         del self._sizes[key]
+        del self._birth[key]
         self.live[entry[0]] -= entry[1]
+
+    def alive_since(self, mark: int) -> int:
+        """Bytes of the storages counted since `mark` (a value of `born`) that are still alive."""
+        return sum(nbytes for key, (_, nbytes, _) in self._sizes.items() if self._birth[key] >= mark)
 
     def _resized(self, storage: torch.UntypedStorage) -> None:
         entry = self._sizes.get(id(storage))

@@ -122,7 +122,8 @@ def test_a_1024_rank_plan_of_8b():
 
 def test_deepseek_v3_671b_on_1024_ranks():
     """The shipped config as it stands (compile on, which the planner runs eager): PP 16 × EP 64 ×
-    FSDP 64, the multi-token prediction module and a tied copy of the embedding on the last stage."""
+    FSDP 64, the multi-token prediction module and a tied copy of the embedding on the last stage;
+    a middle stage's rank planned too (receive buffers both ways, neither embedding nor head)."""
     proc = plan_cli("--config", "deepseek_v3_671b", "--world-size", "1024", "--no-ac-modes",
                     "--no-suggestions", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -131,9 +132,9 @@ def test_deepseek_v3_671b_on_1024_ranks():
     # 671.0B in the main model (as published) and 11.6B in the MTP module (the release's 14B counts its
     # copies of the embedding and head, which Kiln shares).
     assert round(plan["num_params"] / 1e9, 1) == 682.6
-    first, last = plan["ranks"]
-    assert (first["rank"], last["rank"]) == (0, 960)
-    for rank in (first, last):
+    first, middle, last = plan["ranks"]  # the first rank of the first, second and last stage
+    assert (first["rank"], middle["rank"], last["rank"]) == (0, 64, 960)
+    for rank in (first, middle, last):
         assert rank["fits"] is True, rank
         assert rank["communication"]["ep"]["all-to-all"] > 0 and "tp" not in rank["communication"]
     # The last stage holds the MTP block, the head and an embedding copy on top of its share of blocks.

@@ -163,7 +163,8 @@ def test_a_pipelines_lower_bound_on_its_peak_holds_and_counts_its_forwards_in_fl
     """The search skips a layout whose peak has a lower bound above the device. Under a pipeline
     that bound is what the first rank holds as its first two backwards begin (the first: at its
     most), in short plans, with the forwards the layout's schedule has in flight then, each holding
-    what a forward keeps in the layout's AC mode: it is above the state alone, and below the peak
+    what a forward keeps in the layout's AC mode (selective AC's, before its own plans, at least
+    what its unchecked blocks keep without AC): it is above the state alone, and below the peak
     planned with the layout's own schedule (here; scaled to a deeper model's stages that peak can
     fall below the bound, and the search takes the bound)."""
     import planning.search as search_module
@@ -190,6 +191,8 @@ def test_a_pipelines_lower_bound_on_its_peak_holds_and_counts_its_forwards_in_fl
         planned = s.peak(s.layout.rows)
         assert s._floor is not None  # its forwards were counted
         assert state <= s.floor <= planned == s.layout.peak, (s.layout.describe(), state, s.floor, planned)
+        if s.layout.ac_mode == "selective":  # every second block: the other keeps what it keeps without AC
+            assert 0 < s._selective_floor_from_none() <= planned, s.layout.describe()
         if s.floor > state:
             above.add((s.piece.stages, s.layout.ac_mode))
         # the timing schedule runs both microbatches' forwards on each local stage before a backward
@@ -238,6 +241,42 @@ def test_a_pipelined_peak_grows_past_its_planned_microbatches_by_what_each_keeps
             # to a few bytes (a step's scalars); Interleaved1F1B's first rank one buffer more
             slack = 64 + (kept if schedule == "Interleaved1F1B" and rank == piece.ranks[0] else 0)
             assert -64 <= direct.peak - scaled <= slack, (rank, rows, direct.peak, scaled, kept)
+
+
+def test_a_middle_pipeline_rank_is_planned_at_its_fewest_blocks_and_grown_as_the_first():
+    """A middle pipeline rank holds receive buffers both ways and neither the embedding nor the head:
+    the search plans its peak at the fewest blocks and grows it by what a block adds to the first
+    rank's, which holds one forward more in flight. At two blocks that is at least the middle rank's
+    own plan, and at most one forward's keeps of a block more; at a step of 16 microbatches, its own
+    plan of that step to a few bytes, with more kept per microbatch than the first rank."""
+    from components.config.loading import load_config
+    from planning.depth_scaling import rank_peak
+    from planning.search import _piece, _plan
+    from training.assembly import load_model_family
+
+    cfg = load_config([*MODEL, "--training.global_batch_size", "16"])
+    spec, model_args = load_model_family(cfg)
+    flags = {"parallelism.pipeline_parallel_degree": 4, "parallelism.pipeline_parallel_schedule": "1F1B",
+             "parallelism.data_parallel_shard_degree": -1, "parallelism.data_parallel_replicate_degree": 1}
+    piece = _piece(cfg, flags, 4, spec, model_args, "cuda")
+    first, middle, planned = piece.ranks[0], piece.middle, piece.peak_microbatches[1]
+    assert middle == 1 and piece.peak_ranks() == [0, 3, 1]
+    keys = [(rank, "full", k, 1, m) for rank in (first, middle) for k in (1, 2) for m in (planned, 16)]
+    _plan([(piece, piece.plan_key(key, False)) for key in keys], 2)
+    assert not piece.errors, piece.errors
+    plan = {key: piece.results[piece.plan_key(key, False)] for key in keys}
+
+    def grown(blocks: int, microbatches: int) -> int:
+        return rank_peak(piece.lookup(False), plan[(first, "full", 1, 1, planned)], first, "full", (1, 2),
+                         piece.peak_microbatches, blocks, 1, 1, False, microbatches, own=middle)
+
+    one, two = (plan[(first, "full", k, 1, planned)].forward_keeps for k in (1, 2))
+    block_keeps = two - one
+    assert block_keeps > 0
+    assert 0 <= grown(2, planned) - plan[(middle, "full", 2, 1, planned)].peak <= block_keeps + 64
+    assert abs(grown(1, 16) - plan[(middle, "full", 1, 1, 16)].peak) <= 64
+    kept = {rank: plan[(rank, "full", 1, 1, 16)].microbatch_bytes for rank in (first, middle)}
+    assert kept[middle] > kept[first] > 0, kept
 
 
 MOE = ["--config", "llama_debug", "--model.name", "moe", "--training.seq_len", "64",

@@ -5,7 +5,15 @@ and published steps: benchmarks/step_time_check.py and docs/planning.md."""
 
 import pytest
 
-from planning.step_time import Efficiency, LayoutFacts, Links, collective_seconds, group_span, predict
+from planning.step_time import (
+    Efficiency,
+    LayoutFacts,
+    Links,
+    collective_seconds,
+    group_span,
+    predict,
+    rank_flops,
+)
 
 LINKS = Links(per_node=8, intra_gb_s=100.0, inter_gb_s=10.0, intra_us=0.0, inter_us=0.0)
 EFF = Efficiency(compute=0.5, comm=1.0)
@@ -81,3 +89,15 @@ def test_compile_and_float8_speed_compute_up():
     eff = Efficiency(compute=0.5, compile=1.25, float8=1.6)
     facts = LayoutFacts(degrees(), 4, compile=True, float8=True)
     assert predict(1e12, 0.0, {}, {}, 1.0, facts, 1.0, LINKS, eff).compute == pytest.approx(2.0 / 2.0)
+
+
+def test_with_tp_and_ep_each_tp_rank_runs_the_moe_layers_whole():
+    """Under EP the MoE layers are not split over TP ranks (models/moe/parallelize.py): each runs
+    them on the whole sequence, so a rank computes their FLOPs tp times over; without EP, TP splits
+    them like every layer."""
+    every, moe, tokens = 100.0, 60.0, 1024.0
+    assert rank_flops(every, moe, tokens, 8, degrees(tp=2, dp_shard=4)) == every * tokens / 8
+    assert rank_flops(every, moe, tokens, 8, degrees(tp=2, dp_shard=4, ep=4)) == (every + moe) * tokens / 8
+    tp4 = degrees(tp=4, dp_shard=2, ep=2)
+    assert rank_flops(every, moe, tokens, 8, tp4) == (every + 3 * moe) * tokens / 8
+    assert rank_flops(every, moe, tokens, 8, degrees(dp_shard=8, ep=8)) == every * tokens / 8
