@@ -182,14 +182,26 @@ class PipelineMicrobatchWatch:
     parallel reduces there), and the sends and receives, all per microbatch. Also what is alive as
     the rank's first two backwards begin (`backward_starts`)."""
 
-    def __init__(self, runner: Any, tracker: StepTracker) -> None:
+    def __init__(self, runner: Any, tracker: StepTracker, shapes: Callable[[int], dict]) -> None:
         self.tracker = tracker
         self.bytes: dict[tuple[str, str], int] = {}
         self.calls: dict[tuple[str, str], int] = {}
         self.backward_starts: list[tuple[int, int, int]] = []
-        self.mark = tracker.born  # made just before the step's rows
-        self.kept_at_first_forward: int | None = None  # of what was made since, alive at the first forward
         self.last_backward_peak = 0
+        # each microbatch's receive buffers, which torch's stages make for every microbatch of a step:
+        # activations in, but on the first stage; gradients back, but on the last — each the size of
+        # what flows between stages (`shapes`: what they are built with; the first stage's own, as
+        # asking for the last's runs its forward)
+        between = _nbytes(shapes(0)["output_grads"])
+        self.buffers = between * sum((not stage.is_first) + (not stage.is_last) for stage in runner.stages)
+        mark, run = tracker.born, runner.run  # made just before the step's rows
+        self.rows_kept = 0
+
+        def counted_run(*args: Any, **kwargs: Any) -> Any:
+            self.rows_kept = tracker.alive_since(mark)  # the rows, and what the step made of them
+            return run(*args, **kwargs)
+
+        runner.run = counted_run
         forwards: dict[int, int] = {}
         backwards: set[int] = set()
         run_backwards = itertools.count()
@@ -197,8 +209,6 @@ class PipelineMicrobatchWatch:
             forward, backward, index = stage.forward_one_chunk, stage.backward_one_chunk, stage.stage_index
 
             def counted_forward(*args: Any, _run: Callable = forward, _i: int = index, **kwargs: Any) -> Any:
-                if self.kept_at_first_forward is None:
-                    self.kept_at_first_forward = tracker.alive_since(self.mark)
                 forwards[_i] = forwards.get(_i, 0) + 1
                 return self._counted(_run, forwards[_i] == 2, *args, **kwargs)
 
@@ -235,9 +245,8 @@ class PipelineMicrobatchWatch:
         return out
 
     def microbatch_bytes(self, microbatches: int) -> int:
-        """What each microbatch keeps alive through the step: the step's rows and the schedule's
-        receive buffers (made for every microbatch before the first forward), per microbatch."""
-        return (self.kept_at_first_forward or 0) // microbatches
+        """What each microbatch keeps alive through the step: its rows and its receive buffers."""
+        return self.rows_kept // microbatches + self.buffers
 
     def one_microbatch(self, microbatches: int) -> tuple[dict, dict]:
         """(mesh dim, kind) → bytes, and → calls, of one microbatch (of a step of `microbatches`)."""
@@ -394,7 +403,7 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
         opt.make_state()
     tracker.reset_peak()
     second_forwards = _second_forward_growth(parts, tracker)
-    watch = PipelineMicrobatchWatch(step.pipeline, tracker) if step.pipeline is not None else None
+    watch = PipelineMicrobatchWatch(step.pipeline, tracker, shapes) if step.pipeline is not None else None
     step(_microbatches(cfg, dims, global_batch, args.vocab_size))
     tracker.finish()
     one_more = step.first_microbatch  # without a pipeline; with one:
@@ -416,6 +425,10 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
                     backward_starts=watch.backward_starts if watch is not None else [],
                     last_backward_peak=watch.last_backward_peak if watch is not None else 0,
                     microbatch_bytes=watch.microbatch_bytes(step.pipeline.n_microbatches) if watch else 0)
+
+
+def _nbytes(tensors: tuple[torch.Tensor | None, ...]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:

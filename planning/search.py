@@ -177,6 +177,13 @@ class _Piece:
         return plan_of
 
     @property
+    def in_flight(self) -> int:
+        """The forwards the first rank's schedule holds as its first backward begins, at the
+        microbatches its peak is planned at."""
+        schedule = self.flags["parallelism.pipeline_parallel_schedule"]
+        return forwards_before_first_backward(schedule, self.dims.pp, self.stages, self.peak_microbatches[1])
+
+    @property
     def per_rank(self) -> int:
         return self.global_batch // self.dims.dp
 
@@ -312,9 +319,7 @@ class _Sized:
         per_block, blocks = two.forward_keeps - one.forward_keeps, p.rank_blocks[first]
         keeps = one.forward_keeps - per_block + per_block * blocks * (1 - 1 / int(option))
         state = rank_state(p.lookup(True), first, blocks, p.timing_microbatches, 1, 1, self.replicas, first)
-        schedule = p.flags["parallelism.pipeline_parallel_schedule"]
-        in_flight = forwards_before_first_backward(schedule, p.dims.pp, p.stages, p.peak_microbatches[1])
-        self._from_none = int(state_floor(state, self.replicas) + in_flight * keeps
+        self._from_none = int(state_floor(state, self.replicas) + p.in_flight * keeps
                               + one.microbatch_bytes * p.per_rank)
         return self._from_none
 
@@ -328,8 +333,7 @@ class _Sized:
         layout's schedule has in flight then, each holding at least what the second forward of those
         plans kept in this layout's AC mode."""
         p, mode = self.piece, self.layout.ac_mode
-        # the first rank's at the blocks its peak is scaled to (it stands for the middle ranks)
-        blocks, depths = p.rank_blocks[rank], p.depths[mode]
+        blocks, depths = p.rank_blocks[rank], p.depths[mode]  # those its peak is scaled to
         state = rank_state(p.lookup(True), rank, blocks, p.timing_microbatches, 1, 1, self.replicas,
                            p.ranks[0])
         more_shards = state_floor(state, self.replicas) - state_floor(state, 1)  # HSDP: planned at 1
@@ -341,9 +345,8 @@ class _Sized:
         if rank != p.ranks[0]:
             return bounds
         keeps = linear(*(plan.forward_keeps for plan in plans), blocks, depths)
-        schedule = p.flags["parallelism.pipeline_parallel_schedule"]
         # counted at one row per microbatch: more rows per microbatch keep more in each forward
-        in_flight = forwards_before_first_backward(schedule, p.dims.pp, p.stages, p.peak_microbatches[1])
+        in_flight = p.in_flight
         bounds.append(state_floor(state, self.replicas) + in_flight * keeps
                       + plans[0].microbatch_bytes * p.per_rank)
         for k in range(min(len(plan.backward_starts) for plan in plans)):

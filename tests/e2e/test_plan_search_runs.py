@@ -211,17 +211,19 @@ def test_a_pipelined_peak_grows_past_its_planned_microbatches_by_what_each_keeps
     is planned at (1F1B: pp + 1, its first rank's steady state), a pipelined peak grows by them. The
     search's peak of each planned rank at a step of 16 microbatches, of one row and of two, equals a
     plan of that step (Interleaved1F1B's first rank: within the one receive buffer more its next round
-    holds), and exceeds the planned count's peak by at least those buffers."""
+    holds), and exceeds the planned count's peak by at least those buffers. Under FSDP 2, whose
+    gathers an interleaved schedule makes before its first forward: they are no microbatch's."""
     from components.config.loading import load_config
     from planning.depth_scaling import rank_peak
     from planning.search import _piece, _plan
     from training.assembly import load_model_family
 
-    cfg = load_config([*MODEL, "--training.global_batch_size", "16"])
+    cfg = load_config([*MODEL, "--training.global_batch_size", "32"])
     spec, model_args = load_model_family(cfg)
     flags = {"parallelism.pipeline_parallel_degree": 2, "parallelism.pipeline_parallel_schedule": schedule,
              "parallelism.data_parallel_shard_degree": -1, "parallelism.data_parallel_replicate_degree": 1}
-    piece = _piece(cfg, flags, 2, spec, model_args, "cuda")
+    piece = _piece(cfg, flags, 4, spec, model_args, "cuda")
+    assert piece.dims.dp_shard == 2
     assert piece.per_rank == 16 and max(piece.peak_microbatches.values()) < 16
     scaled_keys = [piece.plan_key(key, False) for key in
                    [(rank, "full", k, rows, m) for rank in piece.ranks for k in (1, 2)
