@@ -180,7 +180,8 @@ class PipelineMicrobatchWatch:
     first backward that is not its last (the step's first forward gathers FSDP's parameters, which
     stay gathered; its last backward reduces the gradients), the last stage's second loss (loss
     parallel reduces there), and the sends and receives, all per microbatch. Also what is alive as
-    the rank's first two backwards begin (`backward_starts`)."""
+    the rank's first two backwards begin (`backward_starts`), the most alive in its last, and what
+    each microbatch keeps to the step's end (`microbatch_bytes`)."""
 
     def __init__(self, runner: Any, tracker: StepTracker, shapes: Callable[[int], dict]) -> None:
         self.tracker = tracker
@@ -428,6 +429,7 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
 
 
 def _nbytes(tensors: tuple[torch.Tensor | None, ...]) -> int:
+    """The bytes of the tensors given (None: none)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
