@@ -9,6 +9,7 @@ from planning.comm_floor import against_floor, expert_parallel_floor, fsdp_floor
 from planning.plan import AC_MODES, Plan
 from planning.rank_plan import RankPlan
 from planning.search import Layout, SearchResult
+from planning.step_time import rank_flops
 
 
 def gib(nbytes: float) -> str:
@@ -139,11 +140,10 @@ def step_lines(plan: Plan) -> list[str]:
     speedups = "".join([" × compile" * bool(plan.facts and plan.facts.compile),
                         " × float8" * bool(plan.facts and plan.facts.float8)])
     comm = ", ".join(f"{dim} {t.exposed[dim]:.3g} of {t.comm[dim]:.3g}" for dim in sorted(t.comm)) or "none"
-    degrees = plan.facts.degrees if plan.facts else {}
-    redundant = ""
-    if degrees.get("ep", 1) > 1 and degrees.get("tp", 1) > 1:
-        extra = plan.moe_flops_per_token * (degrees["tp"] - 1) / 1e9
-        redundant = f" + {extra:,.2f} (the MoE layers, which every TP rank runs whole under EP)"
+    per_token = (rank_flops(plan.flops_per_token, plan.moe_flops_per_token, 1, 1, plan.facts.degrees)
+                 if plan.facts else plan.flops_per_token)
+    redundant = (f" + {(per_token - plan.flops_per_token) / 1e9:,.2f} (the MoE layers, which every TP rank "
+                 "runs whole under EP)" if per_token > plan.flops_per_token else "")
     return [f"compute  {plan.flops_per_token / 1e9:,.2f}{redundant} GFLOP/token → {t.compute:,.3g} s "
             f"at {compute:.0%}"
             f"{speedups} of {plan.device.peak_tflops:,.4g} TFLOP/s"

@@ -183,6 +183,12 @@ class _Piece:
         schedule = self.flags["parallelism.pipeline_parallel_schedule"]
         return forwards_before_first_backward(schedule, self.dims.pp, self.stages, self.peak_microbatches[1])
 
+    def rows_kept(self, plan: RankPlan, planned: int = 0) -> int:
+        """What the step's rows keep to its end (receive buffers, the rows) beyond the `planned`
+        microbatches of one row `plan` holds already: every row's share, whatever the rows per
+        microbatch."""
+        return plan.microbatch_bytes * (self.per_rank - planned)
+
     @property
     def per_rank(self) -> int:
         return self.global_batch // self.dims.dp
@@ -277,8 +283,7 @@ class _Sized:
             (rank, _, blocks, _, planned), _ = key
             if key in p.results and p.rank_blocks[rank] >= blocks:
                 state, plan = self.states.get(rank, self.states[p.ranks[0]]), p.results[key]
-                # every row of the step keeps its share of buffers to the step's end, whatever the rows
-                more_rows = (p.per_rank - planned) * plan.microbatch_bytes
+                more_rows = p.rows_kept(plan, planned)
                 out = max(out, plan.peak + more_rows + (held(state) - state.buffers) * (self.replicas - 1))
         return out
 
@@ -318,10 +323,16 @@ class _Sized:
         one, two = (p.results[key] for key in keys)
         per_block, blocks = two.forward_keeps - one.forward_keeps, p.rank_blocks[first]
         keeps = one.forward_keeps - per_block + per_block * blocks * (1 - 1 / int(option))
-        state = rank_state(p.lookup(True), first, blocks, p.timing_microbatches, 1, 1, self.replicas, first)
-        self._from_none = int(state_floor(state, self.replicas) + p.in_flight * keeps
-                              + one.microbatch_bytes * p.per_rank)
+        state = self._short_state(first)
+        self._from_none = int(state_floor(state, self.replicas) + p.in_flight * keeps + p.rows_kept(one))
         return self._from_none
+
+    def _short_state(self, rank: int) -> RankPlan:
+        """A rank's state at the blocks its peak is scaled to, as its short plans hold it (one
+        microbatch of one row): what the lower bounds start from."""
+        p = self.piece
+        return rank_state(p.lookup(True), rank, p.rank_blocks[rank], p.timing_microbatches, 1, 1,
+                          self.replicas, p.ranks[0])
 
     def _rank_keeps_bounds(self, rank: int, plans: list[RankPlan], planned: int) -> list[float]:
         """Lower bounds on a rank's peak from its keeps plans (one and two blocks, `planned`
@@ -334,12 +345,9 @@ class _Sized:
         plans kept in this layout's AC mode."""
         p, mode = self.piece, self.layout.ac_mode
         blocks, depths = p.rank_blocks[rank], p.depths[mode]  # those its peak is scaled to
-        state = rank_state(p.lookup(True), rank, blocks, p.timing_microbatches, 1, 1, self.replicas,
-                           p.ranks[0])
+        state = self._short_state(rank)
         more_shards = state_floor(state, self.replicas) - state_floor(state, 1)  # HSDP: planned at 1
-        # what every row of the step keeps to its end (receive buffers, the rows), whatever the rows
-        # per microbatch; the keeps plans' own rows are in what they found alive
-        more_rows = plans[0].microbatch_bytes * (p.per_rank - planned)
+        more_rows = p.rows_kept(plans[0], planned)  # their own rows are in what they found alive
         last_backward = linear(*(plan.last_backward_peak for plan in plans), blocks, depths)
         bounds = [last_backward + more_shards + more_rows]
         if rank != p.ranks[0]:
@@ -348,7 +356,7 @@ class _Sized:
         # counted at one row per microbatch: more rows per microbatch keep more in each forward
         in_flight = p.in_flight
         bounds.append(state_floor(state, self.replicas) + in_flight * keeps
-                      + plans[0].microbatch_bytes * p.per_rank)
+                      + p.rows_kept(plans[0]))
         for k in range(min(len(plan.backward_starts) for plan in plans)):
             # the most alive in the first backward, which runs as the schedule's first does (its
             # second is the plan's last of a stage, which reduces the gradients; the schedule's not)
