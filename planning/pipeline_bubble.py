@@ -67,18 +67,28 @@ def one_f_one_b_order(num_stages: int, n_microbatches: int) -> dict[int, list[tu
 
 def forwards_before_first_backward(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> int:
     """The forwards (of a stage and microbatch) the first rank runs before its first backward, each
-    still holding its activations then. 1F1B: min(n, pp), as above. Interleaved1F1B: torch's warm-up,
+    still holding its activations then (forwards_in_flight's, summed)."""
+    return sum(forwards_in_flight(schedule, pp, stages_per_rank, microbatches))
+
+
+def forwards_in_flight(schedule: str, pp: int, stages_per_rank: int, microbatches: int, rank: int = 0
+                       ) -> list[int]:
+    """The forwards a pipeline rank (`rank`: its place on the pipeline) has run as its first backward
+    begins, per local stage. 1F1B: min(n, pp − rank), as above. Interleaved1F1B: torch's warm-up,
     (v − 1) rounds of microbatches plus two per later rank, at most v·n, and the forward its steady
-    state starts with (tests/unit/test_pipeline.py holds it to torch's own order, and 1F1B to
-    one_f_one_b_order). Other schedules: 1, the least."""
+    state starts with; the i-th forward is of local stage (i // microbatches per round) mod v
+    (tests/unit/test_pipeline.py holds both to torch's own order). Other schedules: one, the least."""
     if schedule == "1F1B":
-        return min(microbatches, pp)
+        return [min(microbatches, pp - rank)]
     if schedule == "Interleaved1F1B":
         rounds = max(1, microbatches // pp)
-        warmup = min((stages_per_rank - 1) * (microbatches // rounds) + 2 * (pp - 1),
-                     stages_per_rank * microbatches)
-        return min(warmup + 1, stages_per_rank * microbatches)
-    return 1
+        per_round = microbatches // rounds
+        warmup = min((stages_per_rank - 1) * per_round + 2 * (pp - 1 - rank), stages_per_rank * microbatches)
+        counts = [0] * stages_per_rank
+        for i in range(min(warmup + 1, stages_per_rank * microbatches)):
+            counts[(i // per_round) % stages_per_rank] += 1
+        return counts
+    return [1] + [0] * (stages_per_rank - 1)
 
 
 def schedule_bubble(schedule: object, num_stages: int) -> BubbleResult:

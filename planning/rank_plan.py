@@ -65,6 +65,9 @@ class RankPlan:
     moe_layers: int = 0  # layers routed by the balanced assumption
     forward_keeps: int = 0  # bytes a stage's second forward left alive for its backward (the least
     # over this rank's stages; 0 below two microbatches): what each forward in flight holds
+    stage_keeps: list[int] = field(default_factory=list)  # the same per local stage (empty below two)
+    forwards_peak: int = 0  # the most alive while the step's forwards and backwards ran (not its optimizer's)
+    steady_peak: int = 0  # the same while a pipeline's most forwards were in flight (PipelineMicrobatchWatch)
     # the collectives one more microbatch adds to the step (mesh dim → kind → bytes; calls alike):
     # without a pipeline its first microbatch's, with one PipelineMicrobatchWatch's; empty below two
     microbatch_communication: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -181,7 +184,8 @@ class PipelineMicrobatchWatch:
     stay gathered; its last backward reduces the gradients), the last stage's second loss (loss
     parallel reduces there), and the sends and receives, all per microbatch. Also what is alive as
     the rank's first two backwards begin (`backward_starts`), the most alive in its last, and what
-    each microbatch keeps to the step's end (`microbatch_bytes`)."""
+    each microbatch keeps to the step's end (`microbatch_bytes`), and the most alive while it ran
+    with (nearly) its most forwards in flight (`steady_peak`)."""
 
     def __init__(self, runner: Any, tracker: StepTracker, shapes: Callable[[int], dict]) -> None:
         self.tracker = tracker
@@ -189,6 +193,9 @@ class PipelineMicrobatchWatch:
         self.calls: dict[tuple[str, str], int] = {}
         self.backward_starts: list[tuple[int, int, int]] = []
         self.last_backward_peak = 0
+        self.windows: list[tuple[int, int]] = []  # per forward, loss and backward but the last: (forwards
+        # in flight as it began, the most alive while it ran)
+        self.in_flight = 0
         # each microbatch's receive buffers, which torch's stages make for every microbatch of a step:
         # activations in, but on the first stage; gradients back, but on the last — each the size of
         # what flows between stages (`shapes`: what they are built with; the first stage's own, as
@@ -211,7 +218,9 @@ class PipelineMicrobatchWatch:
 
             def counted_forward(*args: Any, _run: Callable = forward, _i: int = index, **kwargs: Any) -> Any:
                 forwards[_i] = forwards.get(_i, 0) + 1
-                return self._counted(_run, forwards[_i] == 2, *args, **kwargs)
+                out = self._windowed(_run, forwards[_i] == 2, *args, **kwargs)
+                self.in_flight += 1
+                return out
 
             def counted_backward(*args: Any, _run: Callable = backward, _i: int = index,
                                  last_backward: bool = False, **kwargs: Any) -> Any:
@@ -219,8 +228,10 @@ class PipelineMicrobatchWatch:
                 first = not last_backward and _i not in backwards
                 if first:
                     backwards.add(_i)
-                start = tracker.window_peak = tracker.now
-                out = self._counted(_run, first, *args, last_backward=last_backward, **kwargs)
+                start = tracker.now
+                out = self._windowed(_run, first, *args, last=last_backward, last_backward=last_backward,
+                                     **kwargs)
+                self.in_flight -= 1
                 if done < 2:
                     self.backward_starts.append((start, sum(forwards.values()) - done, tracker.window_peak))
                 self.last_backward_peak = tracker.window_peak  # the step's last, once it has run
@@ -230,9 +241,26 @@ class PipelineMicrobatchWatch:
         losses, loss_fn = itertools.count(1), runner.loss_fn
 
         def counted_loss(*args: Any) -> Any:
-            return self._counted(loss_fn, next(losses) == 2, *args)
+            return self._windowed(loss_fn, next(losses) == 2, *args)
 
         runner.loss_fn = counted_loss
+
+    def _windowed(self, run: Callable, count: bool, *args: Any, last: bool = False, **kwargs: Any) -> Any:
+        """_counted, noting the forwards in flight as it began and the most alive while it ran (but
+        for the step's last backward, which reduces the gradients, alone in any schedule)."""
+        in_flight, self.tracker.window_peak = self.in_flight, self.tracker.now
+        out = self._counted(run, count, *args, **kwargs)
+        if not last:
+            self.windows.append((in_flight, self.tracker.window_peak))
+        return out
+
+    @property
+    def steady_peak(self) -> int:
+        """The most alive while a forward, loss or backward ran with the most forwards in flight of the
+        step, or one fewer (a steady state's forward follows a backward): what more forwards in flight,
+        in a deeper pipeline, add to (planning/shallow_pipeline.py)."""
+        most = max((n for n, _ in self.windows), default=0)
+        return max((peak for n, peak in self.windows if n >= most - 1), default=0)
 
     def _counted(self, run: Callable, count: bool, *args: Any, **kwargs: Any) -> Any:
         if not count:
@@ -422,9 +450,13 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
                     optimizer_step_peak=tracker.phase_peak.get("optimizer step temporaries", 0),
                     communication=communication, calls=calls, bubble=bubble, moe_layers=moe,
                     forward_keeps=min(second_forwards.values()) if len(second_forwards) == len(parts) else 0,
+                    stage_keeps=[second_forwards[i] for i in range(len(parts))]
+                    if len(second_forwards) == len(parts) else [],
+                    forwards_peak=tracker.phase_peak.get("activations and temporaries", 0),
                     microbatch_communication=microbatch_communication, microbatch_calls=microbatch_calls,
                     backward_starts=watch.backward_starts if watch is not None else [],
                     last_backward_peak=watch.last_backward_peak if watch is not None else 0,
+                    steady_peak=watch.steady_peak if watch is not None else 0,
                     microbatch_bytes=watch.microbatch_bytes(step.pipeline.n_microbatches) if watch else 0)
 
 

@@ -13,7 +13,8 @@ Branch and bound: the distinct layouts are timed in the order of the most their 
 predicted at (planning/layout_bounds.py: their compute over their least bubble with only the
 communication floors of FSDP, TP and EP, among the HSDP splits whose least peak fits), and a timed
 layout faster than any untimed one could be is checked at once — fastest first, its peak planned
-(its AC mode at one and two rows per microbatch) until `top` of them fit. The layouts still untimed
+(its AC mode at one and two rows per microbatch; a pipeline deeper than four stages at four, grown
+to its depth: planning/shallow_pipeline.py) until `top` of them fit. The layouts still untimed
 then could not have been among them: the ranking is the one timing every layout would give. Not
 planned at all: a layout whose peak has a lower bound above the device (its model's shape's least
 peak; its state; under a pipeline, what two short plans in its AC mode show — each end rank's last
@@ -51,6 +52,8 @@ from planning.model_shape import block_parameters, moe_flops_per_token
 from planning.pipeline_bubble import forwards_before_first_backward
 from planning.plan import AC_MODES, _run_tasks, count_parameters, default_ranks
 from planning.rank_plan import RankPlan
+from planning.shallow_pipeline import ShallowPipeline, shallow_pipeline
+from planning.shallow_pipeline import fill as pipeline_fill
 from planning.step_time import LayoutFacts, StepTime, predict, rank_flops
 from training.assembly import build_layout, load_model_family
 
@@ -131,11 +134,19 @@ class _Piece:
     middle: int | None = None  # a middle pipeline rank, whose peak alone is planned (at the fewest blocks)
     timing_microbatches: tuple[int, ...] = (1,)  # microbatches per step the collectives are planned at
     peak_microbatches: dict[int, int] = field(default_factory=dict)  # rows per microbatch → microbatches
+    # a deep pipeline's peaks planned at a shallower one, at those rows per microbatch (the others at
+    # fewer microbatches than fill the pipeline, planned as they are)
+    shallow: ShallowPipeline | None = None
+    shallow_rows: tuple[int, ...] = ()
     replicas: set[int] = field(default_factory=lambda: {1})  # HSDP replica counts derived from it
     block_parameters: tuple[int, int] = (0, 0)  # what a block adds: all parameters, the routed experts'
     moe_flops_per_token: float = 0.0  # the MoE layers' (planning/model_shape.py)
     results: dict[PlanKey, RankPlan] = field(default_factory=dict)
     errors: dict[PlanKey, BaseException] = field(default_factory=dict)  # plans that raised
+
+    @property
+    def schedule(self) -> str:
+        return self.flags.get("parallelism.pipeline_parallel_schedule", "")
 
     @property
     def timing_schedule(self) -> str | None:
@@ -180,8 +191,8 @@ class _Piece:
     def in_flight(self) -> int:
         """The forwards the first rank's schedule holds as its first backward begins, at the
         microbatches its peak is planned at."""
-        schedule = self.flags["parallelism.pipeline_parallel_schedule"]
-        return forwards_before_first_backward(schedule, self.dims.pp, self.stages, self.peak_microbatches[1])
+        return forwards_before_first_backward(self.schedule, self.dims.pp, self.stages,
+                                              self.peak_microbatches[1])
 
     def rows_kept(self, plan: RankPlan, planned: int = 0) -> int:
         """What the step's rows keep to its end (receive buffers, the rows) beyond the `planned`
@@ -248,10 +259,28 @@ class _Piece:
     def failed(self, mode: str, rows: int) -> bool:
         return any(k in self.errors for k in self.keys(mode, rows))
 
+    def planned_shallow(self, key: PlanKey) -> bool:
+        """Whether a plan runs at the shallow pipeline (a peak plan at rows it takes)."""
+        (_, _, _, rows, _), timing = key
+        return self.shallow is not None and not timing and rows in self.shallow_rows
+
     def task(self, key: PlanKey) -> tuple:
         (rank, mode, k, rows, microbatches), timing = key
+        if self.planned_shallow(key):
+            shallow = self.shallow
+            return (self.shallow_config(rows), shallow.shallow_world, shallow.rank(rank), self.device_type,
+                    mode, True, shallow.degree * self.stages * k)
         return (self.config(rows, microbatches, timing), self.dims.world_size, rank, self.device_type, mode,
                 True, self.dims.pp * self.stages * k)
+
+    def shallow_config(self, rows: int) -> JobConfig:
+        """The layout on the shallow pipeline at `rows` per microbatch and the microbatches that fill it."""
+        return configured(self.config(rows, self.shallow.microbatches),
+                          {"parallelism.pipeline_parallel_degree": self.shallow.degree})
+
+    def finished(self, key: PlanKey, plan: RankPlan) -> RankPlan:
+        """A plan as its key asks for it: a shallow one grown to the layout's pipeline."""
+        return self.shallow.deepened(plan, key[0][0]) if self.planned_shallow(key) else plan
 
 
 @dataclass
@@ -426,6 +455,12 @@ def _piece(cfg: JobConfig, flags: dict[str, Any], world: int, spec: Any, args: A
             piece.middle = world // dims.pp
             piece.rank_blocks[piece.middle] = max(blocks[1:-1])
     piece.timing_microbatches, piece.peak_microbatches = _microbatches(piece)
+    piece.shallow = shallow_pipeline(piece.schedule, dims.pp, world, stages)
+    if piece.shallow is not None:  # the rows planned at the pipeline's fill, where the trainer takes them
+        deep_fill = pipeline_fill(piece.schedule, dims.pp, stages)
+        piece.shallow_rows = tuple(
+            rows for rows, microbatches in piece.peak_microbatches.items() if microbatches == deep_fill
+            and _checked(piece.shallow_config(rows), spec, args, piece.shallow.shallow_world, device_type))
     return piece
 
 
@@ -443,14 +478,11 @@ def _microbatches(piece: _Piece) -> tuple[tuple[int, ...], dict[int, int]]:
     two counts give them at any count: 1 and 2 (with a pipeline, by its timing schedule), the step
     of 1 known from the plan of 2 (_Piece.timing_counts). The peak needs enough to fill the pipeline
     or, without one, to accumulate gradients (2); past that, each microbatch adds only what it keeps
-    to the step's end (depth_scaling.rank_peak). 1F1B: pp + 1 — at pp no forward follows the first
-    rank's first backward, so its second runs with one forward fewer in flight than in any longer
-    step. Interleaved1F1B: pp × stages per rank (its microbatches come in rounds of pp; the next
-    round's steady state holds one receive buffer more on the first rank, measured, which is left
-    out). A rank's real count, where smaller, is used as it is; a cut batch the trainer refuses falls
-    back to the real one."""
+    to the step's end (depth_scaling.rank_peak); planning/shallow_pipeline.py says how many fill a
+    pipeline. A rank's real count, where smaller, is used as it is; a cut batch the trainer refuses
+    falls back to the real one."""
     pp, per_rank = piece.dims.pp, piece.per_rank
-    fill = 2 if pp == 1 else pp + 1 if piece.stages == 1 else pp * piece.stages
+    fill = 2 if pp == 1 else pipeline_fill(piece.schedule, pp, piece.stages)
     micro = tuple(sorted({1, min(per_rank, 2)}))
     if not all(piece.accepts(1, m, timing=True) for m in micro):
         micro = (per_rank,)
@@ -489,7 +521,7 @@ def _plan(jobs: list[tuple[_Piece, PlanKey]], workers: int) -> None:
         if isinstance(result, BaseException):
             piece.errors[key] = result
         else:
-            piece.results[key] = result
+            piece.results[key] = piece.finished(key, result)
 
 
 def _sized_layouts(piece: _Piece, device: Device, flops_per_token: float, seq_len: int,

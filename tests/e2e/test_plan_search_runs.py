@@ -281,6 +281,40 @@ def test_a_middle_pipeline_rank_is_planned_at_its_fewest_blocks_and_grown_as_the
     assert kept[middle] > kept[first] > 0, kept
 
 
+@pytest.mark.parametrize("schedule,pp", [("1F1B", 6), ("Interleaved1F1B", 5)])
+def test_a_deep_pipelines_peaks_planned_at_a_shallower_one_equal_its_own(schedule, pp):
+    """A deep pipeline's peak plans run at four stages over the same other degrees and grow by the
+    forwards more in flight, stage by stage, and the microbatches more (planning/shallow_pipeline.py):
+    each planned rank's (the first, a middle and the last), at one row and at two per microbatch,
+    equals the deep pipeline's own plan to a few bytes — and differs from the shallow plan as run."""
+    import copy
+
+    from components.config.loading import load_config
+    from planning.search import _piece, _plan
+    from training.assembly import load_model_family
+
+    cfg = load_config([*MODEL, "--model.name", "llama3_10l", "--training.global_batch_size", "48"])
+    spec, model_args = load_model_family(cfg)
+    flags = {"parallelism.pipeline_parallel_degree": pp, "parallelism.pipeline_parallel_schedule": schedule,
+             "parallelism.data_parallel_shard_degree": -1, "parallelism.data_parallel_replicate_degree": 1}
+    piece = _piece(cfg, flags, 2 * pp, spec, model_args, "cuda")
+    assert piece.shallow is not None and piece.shallow.degree == 4 and piece.shallow_rows == (1, 2)
+    deep, as_run = copy.copy(piece), copy.copy(piece)
+    deep.shallow = None
+    as_run.finished = lambda key, plan: plan  # the shallow plan itself
+    for p in (deep, as_run):
+        p.results, p.errors = {}, {}
+    keys = [piece.plan_key((rank, "full", 1, rows, piece.peak_microbatches[rows]), False)
+            for rank in piece.peak_ranks() for rows in (1, 2)]
+    _plan([(p, key) for p in (piece, deep, as_run) for key in keys], 2)
+    assert not piece.errors and not deep.errors and not as_run.errors, (piece.errors, deep.errors)
+    for key in keys:
+        grown, own, shallow = piece.results[key], deep.results[key], as_run.results[key]
+        assert abs(grown.peak - own.peak) <= 64, (key, grown.peak, own.peak)
+        assert abs(grown.last_backward_peak - own.last_backward_peak) <= 64, key
+        assert own.peak - shallow.peak > 64, key  # the deep pipeline's keeps more
+
+
 MOE = ["--config", "llama_debug", "--model.name", "moe", "--training.seq_len", "64",
        "--training.global_batch_size", "8"]
 

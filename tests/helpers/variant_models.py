@@ -8,6 +8,7 @@
   shards that need padding (a 256-row feed-forward over 3 ranks), uneven pipeline stages.
 - "llama3_odd_tp": the same with a 264-unit feed-forward, which TP 3 can split (256 it refuses).
 - "llama3_5l": the tiny flavor with five blocks (the layout search's test model).
+- "llama3_10l": the same with ten, a block for every stage of a pipeline deeper than four.
 - "moe_variant", "moe_2experts": see below.
 """
 
@@ -30,6 +31,7 @@ _register("llama3_tied_4l", tie_embeddings=True, n_layers=4)
 _register("llama3_odd", dim=96, n_heads=3, n_kv_heads=3, n_layers=5, vocab_size=4098)
 _register("llama3_odd_tp", dim=96, n_heads=3, n_kv_heads=3, n_layers=5, vocab_size=4098, multiple_of=24)
 _register("llama3_5l", n_layers=5)  # the tiny shape, five blocks: uneven stages, a depth to scale to
+_register("llama3_10l", n_layers=10)
 
 # "moe_variant": the tiny MoE with a dense first block, sigmoid scores renormalised and scaled,
 # and the auxiliary load-balancing loss on (besides the expert bias).

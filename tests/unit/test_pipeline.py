@@ -26,22 +26,30 @@ def test_split_layers_and_stage_layout():
 @pytest.mark.parametrize("pp,microbatches", [(2, 2), (2, 3), (2, 4), (4, 4), (4, 6), (4, 8), (4, 10), (4, 12),
                                               (8, 12), (8, 16), (8, 64)])
 def test_the_forwards_in_flight_at_the_first_backward_are_torchs(schedule, stages_per_rank, pp, microbatches):
-    # the planner's lower bound on a pipeline's peak counts them. Interleaved1F1B: torch's own order,
-    # built on stand-in stages (it needs only the group's size and rank). 1F1B: the rule of torch's
-    # runtime that one_f_one_b_order follows (torch's pipeline_order for it misnumbers forwards).
+    # the planner's lower bound on a pipeline's peak counts them, and a deep pipeline's peak planned
+    # at a shallower one grows by them, stage by stage. Interleaved1F1B: torch's own order, built on
+    # stand-in stages (it needs only the group's size and rank). 1F1B: the rule of torch's runtime
+    # that one_f_one_b_order follows (torch's pipeline_order for it misnumbers forwards).
     from types import SimpleNamespace
 
     from torch.distributed.pipelining import schedules
 
-    from planning.pipeline_bubble import forwards_before_first_backward, one_f_one_b_order
+    from planning.pipeline_bubble import forwards_before_first_backward, forwards_in_flight, one_f_one_b_order
 
-    if schedule == "1F1B":
-        order = [f"{kind}" for _, kind, _ in one_f_one_b_order(pp, microbatches)[0]]
-    else:
-        stages = [SimpleNamespace(group_size=pp, group_rank=0, num_stages=pp * stages_per_rank,
-                                  stage_index=i * pp) for i in range(stages_per_rank)]
-        built = schedules.ScheduleInterleaved1F1B(stages, microbatches)
-        order = [a.computation_type.value for a in built.pipeline_order[0] if a is not None]
-    expected = order.index("B")
-    assert order[:expected] == ["F"] * expected
-    assert forwards_before_first_backward(schedule, pp, stages_per_rank, microbatches) == expected
+    for rank in range(pp):
+        if schedule == "1F1B":
+            order = [(kind, stage) for stage, kind, _ in one_f_one_b_order(pp, microbatches)[rank]]
+        else:
+            stages = [SimpleNamespace(group_size=pp, group_rank=rank, num_stages=pp * stages_per_rank,
+                                      stage_index=i * pp + rank) for i in range(stages_per_rank)]
+            built = schedules.ScheduleInterleaved1F1B(stages, microbatches)
+            order = [(a.computation_type.value, a.stage_index) for a in built.pipeline_order[rank]
+                     if a is not None]
+        kinds = [kind for kind, _ in order]
+        expected = kinds.index("B")
+        assert kinds[:expected] == ["F"] * expected
+        per_stage = [sum(stage == i * pp + rank for _, stage in order[:expected])
+                     for i in range(stages_per_rank)]
+        assert forwards_in_flight(schedule, pp, stages_per_rank, microbatches, rank) == per_stage
+        if rank == 0:
+            assert forwards_before_first_backward(schedule, pp, stages_per_rank, microbatches) == expected
