@@ -323,9 +323,10 @@ def fsdp_lazy_init(part: nn.Module) -> None:
 
 def _probe_stage(spec: ModelSpec, args: Any, dims: Any, options: ParallelOptions) -> nn.Module:
     """A first stage of the embedding and block 0, parallelized like every stage (on meta, outside
-    fake mode: FSDP cannot be applied inside it): what it emits is what flows between stages."""
+    fake mode: FSDP cannot be applied inside it): what it emits is what flows between stages. Built
+    from a model of that one block: the rest would be built only to be dropped."""
     with torch.device("meta"):
-        whole = spec.model_cls(args)
+        whole = spec.model_cls(dataclasses.replace(args, n_layers=1))
     probe = spec.pipeline_fn(whole, [0], True, False)
     spec.parallelize_fn(probe, dims, options)
     return probe
