@@ -208,10 +208,11 @@ def test_a_pipelines_lower_bound_on_its_peak_holds_and_counts_its_forwards_in_fl
 def test_a_pipelined_peak_grows_past_its_planned_microbatches_by_what_each_keeps_to_the_end(schedule):
     """Torch's pipeline stages make a receive buffer for every microbatch of a step (activations in,
     gradients back) and keep them to its end, beside the step's rows: past the microbatches its peak
-    is planned at (1F1B: pp + 1, its first rank's steady state), a pipelined peak grows by them. The
-    search's peak of each planned rank at a step of 16 microbatches, of one row and of two, equals a
-    plan of that step (Interleaved1F1B's first rank: within the one receive buffer more its next round
-    holds), and exceeds the planned count's peak by at least those buffers. Under FSDP 2, whose
+    is planned at (1F1B: pp + 1, its first rank's steady state; Interleaved1F1B: a round more than
+    pp × stages, whose steady state holds a buffer more on the first rank), a pipelined peak grows by
+    them. The search's peak of each planned rank at a step of 16 microbatches, of one row and of two,
+    equals a plan of that step, and exceeds the planned count's peak by at least those buffers. Under
+    FSDP 2, whose
     gathers an interleaved schedule makes before its first forward: they are no microbatch's."""
     from components.config.loading import load_config
     from planning.depth_scaling import rank_peak
@@ -240,9 +241,8 @@ def test_a_pipelined_peak_grows_past_its_planned_microbatches_by_what_each_keeps
                                rows, 1, False, 16 // rows)
             kept = direct.microbatch_bytes
             assert kept > 0 and direct.peak - planned.peak >= kept * (16 // rows - count) - 64
-            # to a few bytes (a step's scalars); Interleaved1F1B's first rank one buffer more
-            slack = 64 + (kept if schedule == "Interleaved1F1B" and rank == piece.ranks[0] else 0)
-            assert -64 <= direct.peak - scaled <= slack, (rank, rows, direct.peak, scaled, kept)
+            # to a few bytes (a step's scalars)
+            assert abs(direct.peak - scaled) <= 64, (rank, rows, direct.peak, scaled, kept)
 
 
 def test_a_middle_pipeline_rank_is_planned_at_its_fewest_blocks_and_grown_as_the_first():
@@ -293,7 +293,7 @@ def test_a_deep_pipelines_peaks_planned_at_a_shallower_one_equal_its_own(schedul
     from planning.search import _piece, _plan
     from training.assembly import load_model_family
 
-    cfg = load_config([*MODEL, "--model.name", "llama3_10l", "--training.global_batch_size", "48"])
+    cfg = load_config([*MODEL, "--model.name", "llama3_10l", "--training.global_batch_size", "64"])
     spec, model_args = load_model_family(cfg)
     flags = {"parallelism.pipeline_parallel_degree": pp, "parallelism.pipeline_parallel_schedule": schedule,
              "parallelism.data_parallel_shard_degree": -1, "parallelism.data_parallel_replicate_degree": 1}
