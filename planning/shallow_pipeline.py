@@ -74,7 +74,9 @@ class ShallowPipeline:
     def deepened(self, plan: RankPlan, rank: int) -> RankPlan:
         """The shallow plan of `rank` as the deep pipeline's, at the microbatches that fill it: its
         peak grown by the forwards more in flight (each as its stage keeps) and what the further
-        microbatches keep; the optimizer's step, after every backward, by the latter only."""
+        microbatches keep; the optimizer's step, after every backward, by the latter only. Its rank,
+        place and stages are the deep one's; its collectives and bubble stay the shallow step's (the
+        search takes those from its timing plans)."""
         place, deep_fill = self.place(rank), fill(self.schedule, self.pp, self.stages_per_rank)
         deep = forwards_in_flight(self.schedule, self.pp, self.stages_per_rank, deep_fill, place)
         shallow = forwards_in_flight(self.schedule, self.degree, self.stages_per_rank, self.microbatches,
@@ -87,7 +89,9 @@ class ShallowPipeline:
         # 0 where the step allocated nothing (its peak never rose above what was alive before it)
         optimizer_step_peak = plan.optimizer_step_peak + kept if plan.optimizer_step_peak else 0
         steady_peak = plan.steady_peak + forwards + kept
-        return dataclasses.replace(plan, peak=max(forwards_peak, optimizer_step_peak),
+        return dataclasses.replace(plan, rank=rank, coordinates=plan.coordinates | {"pp": place},
+                                   stages=[place + i * self.pp for i in range(self.stages_per_rank)],
+                                   peak=max(forwards_peak, optimizer_step_peak),
                                    forwards_peak=forwards_peak, steady_peak=steady_peak,
                                    optimizer_step_peak=optimizer_step_peak,
                                    last_backward_peak=plan.last_backward_peak + kept, backward_starts=[])

@@ -312,6 +312,7 @@ def test_a_deep_pipelines_peaks_planned_at_a_shallower_one_equal_its_own(schedul
         grown, own, shallow = piece.results[key], deep.results[key], as_run.results[key]
         assert abs(grown.peak - own.peak) <= 64, (key, grown.peak, own.peak)
         assert abs(grown.last_backward_peak - own.last_backward_peak) <= 64, key
+        assert (grown.rank, grown.coordinates, grown.stages) == (own.rank, own.coordinates, own.stages)
         assert own.peak - shallow.peak > 64, key  # the deep pipeline's keeps more
 
 
