@@ -23,7 +23,7 @@ from planning.pipeline_bubble import forwards_in_flight
 from planning.rank_plan import RankPlan
 
 SHALLOW_DEGREE = 4  # a first, a middle and a last rank, each with a neighbour on both sides but the ends
-SCHEDULES = ("1F1B", "Interleaved1F1B")  # those whose steady state is planned here
+STEADY_SCHEDULES = ("1F1B", "Interleaved1F1B")  # those whose steady state is planned here
 
 
 def fill(schedule: str, pp: int, stages_per_rank: int) -> int:
@@ -100,6 +100,6 @@ class ShallowPipeline:
 def shallow_pipeline(schedule: str, pp: int, world: int, stages_per_rank: int) -> ShallowPipeline | None:
     """The shallow pipeline a deep one's peaks are planned at; None where planning the deep one costs
     about as much (pp at most SHALLOW_DEGREE) or its schedule is not one planned here."""
-    if schedule not in SCHEDULES or pp <= SHALLOW_DEGREE:
+    if schedule not in STEADY_SCHEDULES or pp <= SHALLOW_DEGREE:
         return None
     return ShallowPipeline(pp, world, schedule, stages_per_rank)
