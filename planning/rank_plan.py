@@ -445,14 +445,15 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
     bubble = (schedule_bubble(step.pipeline.schedule, built.num_stages).fraction
               if step.pipeline is not None else None)
     buffers = sum(local_tensor(b).untyped_storage().nbytes() for part in parts for b in part.buffers())
+    # each stage's second forward's keeps, once every stage has run two (none below two microbatches)
+    stage_keeps = ([second_forwards[i] for i in range(len(parts))] if len(second_forwards) == len(parts)
+                   else [])
     return RankPlan(rank=0, coordinates={}, stages=list(built.stage_ids), parameters=sizes["parameters"],
                     gradients=grads, optimizer=sizes["optimizer"], buffers=buffers, peak=tracker.peak,
                     peak_breakdown=dict(tracker.peak_by_category),
                     optimizer_step_peak=tracker.phase_peak.get("optimizer step temporaries", 0),
                     communication=communication, calls=calls, bubble=bubble, moe_layers=moe,
-                    forward_keeps=min(second_forwards.values()) if len(second_forwards) == len(parts) else 0,
-                    stage_keeps=[second_forwards[i] for i in range(len(parts))]
-                    if len(second_forwards) == len(parts) else [],
+                    forward_keeps=min(stage_keeps, default=0), stage_keeps=stage_keeps,
                     forwards_peak=tracker.phase_peak.get("activations and temporaries", 0),
                     microbatch_communication=microbatch_communication, microbatch_calls=microbatch_calls,
                     backward_starts=watch.backward_starts if watch is not None else [],
