@@ -30,7 +30,8 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
 def mesh_group_names(dims: ParallelDims) -> dict[str, str]:
     """Process-group name → the mesh dimension it spans, for the collective counts. The world
     mesh's dimensions name a group first (a flattened view that is the same group keeps that
-    name); an expert-mesh dimension over the same ranks is added, e.g. "dp_shard = ep"."""
+    name); an expert-mesh dimension over the same ranks is added, e.g. "dp_shard = ep"; the experts'
+    HSDP replicas are dp_replicate's (their own groups, over the same span)."""
     names: dict[str, str] = {}
     for name in ("tp", "cp", "dp_shard", "dp_replicate", "pp", "dp", "dp_shard_cp", "dp_cp"):
         mesh = dims.mesh(name)
@@ -45,4 +46,7 @@ def mesh_group_names(dims: ParallelDims) -> dict[str, str]:
         if mesh is not None and mesh.size() > 1:
             group = mesh.get_group().group_name
             names[group] = f"{names[group]} = {name}" if group in names else name
+    if dims.expert_mesh is not None and dims.dp_replicate > 1:  # HSDP's replicas of the experts
+        replicas = dims.expert_fsdp_mesh()["dp_replicate"]
+        names.setdefault(replicas.get_group().group_name, "dp_replicate")
     return names

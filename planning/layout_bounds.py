@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from planning.comm_floor import expert_parallel_floor, fsdp_floor, tensor_parallel_floor
+from planning.comm_floor import expert_parallel_floor, fsdp_gathers, sharded_floor, tensor_parallel_floor
 from planning.devices import Device
 from planning.layout_space import closed_form_bubble, layout_degrees, rows_options
 from planning.step_time import LayoutFacts, predict, rank_flops
@@ -71,22 +71,17 @@ def communication_floor(piece: _Piece, tokens: int, replicas: int) -> dict[str, 
     the head only add."""
     d, options, blocks = piece.dims, piece.options, piece.first_rank_blocks
     moe = getattr(piece.args, "moe", None)
-    degrees = layout_degrees(d, replicas) | {"ep": 1}  # fsdp_floor claims no EP layout: its parts below
-    shard = degrees["dp_shard"] * d.cp
+    shard = d.dp // replicas * d.cp
     every, experts = piece.block_parameters
     # EP's experts are FSDP-sharded over what it leaves of dp_shard × cp, the rest over all of it
-    parts = [(every, "dp_shard_cp" if d.cp > 1 else "dp_shard", degrees)]
+    fsdp = "dp_shard_cp" if d.cp > 1 else "dp_shard"
+    groups = [(fsdp, every, shard)]
     if d.ep > 1:
-        parts = [(every - experts, parts[0][1], degrees),
-                 (experts / d.ep, "dp_shard_mod_ep", degrees | {"dp_shard": shard // d.ep, "cp": 1})]
-    floor: dict[str, dict[str, float]] = {}
-    for parameters, dim, group in parts:
-        stored = {"float32": int(parameters * blocks / (d.tp * group["dp_shard"] * group["cp"])) * 4}
-        part = fsdp_floor(stored, group, options.param_dtype, options.reduce_dtype, *fsdp_passes(piece))
-        for name, kinds in part.items():
-            for kind, nbytes in kinds.items():
-                into = floor.setdefault(dim if name == "fsdp" else name, {})
-                into[kind] = into.get(kind, 0) + nbytes
+        groups = [(fsdp, every - experts, shard), ("dp_shard_mod_ep", experts / d.ep, shard // d.ep)]
+    gathers, reductions = fsdp_passes(piece)
+    stored = [(name, {"float32": int(parameters * blocks / (d.tp * ranks)) * 4}, ranks, gathers)
+              for name, parameters, ranks in groups]
+    floor = sharded_floor(stored, replicas, options.param_dtype, options.reduce_dtype, reductions)
     routed = tokens / (d.dp * d.cp)
     if d.tp > 1:
         floor |= tensor_parallel_floor(blocks, routed, piece.args.dim, options.param_dtype)
@@ -103,5 +98,4 @@ def fsdp_passes(piece: _Piece) -> tuple[int, int]:
     if piece.dims.pp > 1:
         return 1, 1
     microbatches = piece.per_rank // max(rows_options(piece.per_rank))
-    reshard = piece.cfg.parallelism.fsdp_reshard_after_forward != "never"
-    return microbatches * (2 if reshard else 1), microbatches
+    return microbatches * fsdp_gathers(1, piece.cfg.parallelism.fsdp_reshard_after_forward), microbatches

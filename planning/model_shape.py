@@ -7,8 +7,21 @@ import dataclasses
 from typing import Any
 
 import torch
+from torch import nn
 
 from models.common.moe import GroupedExperts, MoE
+
+
+def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The routed experts' parameters (models/common/moe.py): under EP, sharded over other ranks."""
+    return [p for m in module.modules() if isinstance(m, GroupedExperts) for p in m.parameters()]
+
+
+def in_blocks(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters of a model's (or stage's) blocks and multi-token prediction modules: those FSDP
+    gathers again for the backward after resharding them (parallelisms/fsdp.py)."""
+    owners = [getattr(module, name, None) or {} for name in ("layers", "mtp")]
+    return [p for owner in owners for block in owner.values() for p in block.parameters()]
 
 
 def block_parameters(spec: Any, args: Any) -> tuple[int, int]:
@@ -19,7 +32,7 @@ def block_parameters(spec: Any, args: Any) -> tuple[int, int]:
     for n in (1, 2):
         with torch.device("meta"):
             model = spec.model_cls(dataclasses.replace(args, n_layers=n, **cut))
-        experts = [p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()]
+        experts = expert_parameters(model)
         counts.append((sum(p.numel() for p in model.parameters()), sum(p.numel() for p in experts)))
     (every_one, experts_one), (every_two, experts_two) = counts
     return every_two - every_one, experts_two - experts_one

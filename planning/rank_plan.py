@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from components.config.parallel_options import ParallelOptions
 from components.config.sections import JobConfig
-from components.observability.memory_report import state_bytes
+from components.observability.memory_report import bytes_by_dtype, state_bytes
 from components.runtime.errors import KilnError
 from components.runtime.tensor_utils import local_tensor
 from models import ModelSpec
@@ -32,6 +32,7 @@ from parallelisms.materialize import to_empty_keeping_ties
 from planning.balanced_routing import balance_routing
 from planning.cuda_attention import cuda_attention
 from planning.fake_world import fake_world, mesh_group_names
+from planning.model_shape import expert_parameters, in_blocks
 from planning.pipeline_bubble import schedule_bubble
 from planning.step_tracker import StepTracker
 from training.assembly import (
@@ -63,6 +64,10 @@ class RankPlan:
     calls: dict[str, dict[str, int]]  # mesh dim → kind → collectives per step
     bubble: float | None = None  # pipeline idle fraction (None without PP)
     moe_layers: int = 0  # layers routed by the balanced assumption
+    # of the parameters the blocks' (FSDP gathers them again for backward) and the routed experts'
+    # (under EP sharded over another group than the rest): planning/comm_floor.py
+    block_parameters: dict[str, int] = field(default_factory=dict)
+    expert_parameters: dict[str, int] = field(default_factory=dict)
     forward_keeps: int = 0  # bytes a stage's second forward left alive for its backward (the least
     # over this rank's stages; 0 below two microbatches): what each forward in flight holds
     stage_keeps: list[int] = field(default_factory=list)  # the same per local stage (empty below two)
@@ -449,6 +454,8 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
     stage_keeps = ([second_forwards[i] for i in range(len(parts))] if len(second_forwards) == len(parts)
                    else [])
     return RankPlan(rank=0, coordinates={}, stages=list(built.stage_ids), parameters=sizes["parameters"],
+                    block_parameters=bytes_by_dtype([p for part in parts for p in in_blocks(part)]),
+                    expert_parameters=bytes_by_dtype([p for part in parts for p in expert_parameters(part)]),
                     gradients=grads, optimizer=sizes["optimizer"], buffers=buffers, peak=tracker.peak,
                     peak_breakdown=dict(tracker.peak_by_category),
                     optimizer_step_peak=tracker.phase_peak.get("optimizer step temporaries", 0),

@@ -5,7 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from planning.comm_floor import against_floor, expert_parallel_floor, fsdp_floor
+from planning.comm_floor import (
+    against_floor,
+    expert_parallel_floor,
+    fsdp_gathers,
+    rank_floor_groups,
+    sharded_floor,
+)
 from planning.plan import AC_MODES, Plan
 from planning.rank_plan import RankPlan
 from planning.search import Layout, SearchResult
@@ -113,8 +119,10 @@ def floor_lines(plan: Plan) -> list[str]:
     d = plan.facts.degrees
     tokens = plan.global_batch * plan.seq_len / (d["dp_replicate"] * d["dp_shard"] * d["cp"])
     worst: dict[tuple[str, str], float] = {}
+    gathers = fsdp_gathers(d["pp"], plan.reshard_after_forward)
     for r in plan.ranks:
-        floor = fsdp_floor(r.parameters, d, plan.param_dtype, plan.reduce_dtype)
+        groups = rank_floor_groups(r.parameters, r.block_parameters, r.expert_parameters, d, gathers)
+        floor = sharded_floor(groups, d["dp_replicate"], plan.param_dtype, plan.reduce_dtype)
         if d["ep"] > 1 and r.moe_layers:
             floor |= expert_parallel_floor(r.moe_layers, tokens, plan.top_k, plan.hidden, plan.param_dtype)
         for dim, kind, ratio in against_floor(r.communication, floor):

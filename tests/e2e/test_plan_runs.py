@@ -7,7 +7,6 @@ issued: calls and bytes per mesh dimension and kind (components/observability/me
 """
 
 import json
-import re
 import subprocess
 import sys
 
@@ -141,17 +140,53 @@ def test_deepseek_v3_671b_on_1024_ranks():
     assert sum(last["parameters"].values()) > 1.5 * sum(first["parameters"].values())
 
 
-@pytest.mark.parametrize("mode,ratio", [("none", 1.0), ("full", 1.5)])
-def test_eps_all_to_alls_against_their_floor(mode, ratio):
-    """EP's floor is each routed token sent to its expert's rank and back, forward and backward: a step
-    without AC sends just that (and the counts per expert); full AC recomputes each forward, whose
-    dispatch and combine send again — 6 all-to-alls of the 4 — and the plan says so."""
-    world, args = LAYOUTS["ep2"]
-    proc = plan_cli(*args, "--world-size", str(world), "--activation_checkpoint.mode", mode, "--no-ac-modes")
+def floor_ratios(stdout: str) -> dict[str, float]:
+    """The plan's `floor` line: "group kind" → bytes sent over the least the layout needs."""
+    line = next(line for line in stdout.splitlines() if line.startswith("floor "))
+    cells = line.split(": ", 1)[1].split("; above it")[0].split(", ")
+    return {cell.rsplit(" ", 1)[0]: float(cell.rsplit(" ", 1)[1].rstrip("×")) for cell in cells}
+
+
+MOE4 = ["--config", "moe_debug", "--model.flavor", "tiny", "--training.seq_len", "64",
+        "--training.local_batch_size", "2", "--training.global_batch_size", "8",
+        "--parallelism.expert_parallel_degree", "2"]
+
+
+@pytest.mark.parametrize("world,args,groups", [
+    (2, [*TINY, "--training.local_batch_size", "2", "--training.global_batch_size", "4"], {"dp_shard"}),
+    (4, [*TINY, "--parallelism.pipeline_parallel_degree", "2"], {"dp_shard"}),
+    (4, MOE4, {"dp_shard", "dp_shard_mod_ep", "ep"}),
+    (4, [*MOE4, "--parallelism.data_parallel_replicate_degree", "2"], {"dp_replicate", "dp_shard_cp", "ep"}),
+], ids=["fsdp2", "pp2_fsdp2", "fsdp4_ep2", "hsdp2x2_ep2"])
+def test_a_step_of_one_microbatch_sends_its_floors_exactly(world, args, groups):
+    """FSDP's floor: the blocks gathered for forward and again for backward (once under a pipeline,
+    whose stages keep them), the embedding and head once (parallelisms/fsdp.py), every gradient
+    reduce-scattered once, HSDP's shards all-reduced once — under EP the experts over dp_shard_mod_ep,
+    their replicas' all-reduce dp_replicate's; EP's: each routed token there and back. A step of one
+    microbatch without AC sends just that (EP: and the counts per expert), every group named."""
+    proc = plan_cli(*args, "--world-size", str(world), "--activation_checkpoint.mode", "none",
+                    "--no-ac-modes", "--no-suggestions")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    floor = re.search(r"ep all-to-all (\d+\.\d+)×", proc.stdout)
-    assert floor and float(floor.group(1)) == pytest.approx(ratio, abs=0.01), proc.stdout
-    assert ("recomputes forwards, whose dispatch and combine send again" in proc.stdout) == (mode == "full")
+    ratios = floor_ratios(proc.stdout)
+    assert {group for key in ratios for group in key.rsplit(" ", 1)[0].split(" = ")} == groups, proc.stdout
+    assert all(ratio == pytest.approx(1.0, abs=0.005) for ratio in ratios.values()), ratios
+    assert "above it" not in proc.stdout
+
+
+def test_what_sends_more_than_its_floor_is_named():
+    """Two microbatches of FSDP gather and reduce-scatter twice (2.00×); full AC recomputes each
+    forward, whose dispatch and combine send again — 6 all-to-alls of the 4 (1.50×)."""
+    proc = plan_cli(*TINY, "--world-size", "2", "--training.local_batch_size", "2",
+                    "--training.global_batch_size", "8", "--no-ac-modes", "--no-suggestions")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert floor_ratios(proc.stdout) == {"dp_shard all-gather": 2.0, "dp_shard reduce-scatter": 2.0}
+    assert "FSDP's collectives once per microbatch" in proc.stdout
+    world, args = LAYOUTS["ep2"]
+    proc = plan_cli(*args, "--world-size", str(world), "--activation_checkpoint.mode", "full",
+                    "--no-ac-modes", "--no-suggestions")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert floor_ratios(proc.stdout)["dp_shard = ep all-to-all"] == pytest.approx(1.5, abs=0.01)
+    assert "recomputes forwards, whose dispatch and combine send again" in proc.stdout
 
 
 def test_json_shape():
