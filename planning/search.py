@@ -11,7 +11,9 @@ step, which does not depend on its memory.
 
 Branch and bound: the distinct layouts are timed in the order of the most their layouts could be
 predicted at (planning/layout_bounds.py: their compute over their least bubble with only the
-communication floors of FSDP, TP and EP, among the HSDP splits whose least peak fits), and a timed
+communication floors of FSDP, TP and EP, among the HSDP splits and AC modes whose least peak fits —
+once a layout of the same TP, CP and EP degrees is timed, with what each forward in flight keeps
+as its plans show: _learn_keeps), and a timed
 layout faster than any untimed one could be is checked at once — fastest first, its peak planned
 (its AC mode at one and two rows per microbatch; a pipeline deeper than four stages at four, grown
 to its depth: planning/shallow_pipeline.py) until `top` of them fit. The layouts still untimed
@@ -140,6 +142,8 @@ class _Piece:
     shallow_rows: tuple[int, ...] = ()
     replicas: set[int] = field(default_factory=lambda: {1})  # HSDP replica counts derived from it
     block_parameters: tuple[int, int] = (0, 0)  # what a block adds: all parameters, the routed experts'
+    # per pipeline stage (the model without one), whether each of its blocks is of the kind planned
+    stage_kinds: list[list[bool]] = field(default_factory=list)
     moe_flops_per_token: float = 0.0  # the MoE layers' (planning/model_shape.py)
     results: dict[PlanKey, RankPlan] = field(default_factory=dict)
     errors: dict[PlanKey, BaseException] = field(default_factory=dict)  # plans that raised
@@ -442,8 +446,11 @@ def _piece(cfg: JobConfig, flags: dict[str, Any], world: int, spec: Any, args: A
                    _timed_ranks(world, dims.pp), stages, spec, args, device_type,
                    {mode: _depths(mode, option) for mode in AC_MODES})
     piece.rank_blocks = dict.fromkeys(piece.ranks, piece.blocks)
+    dense = getattr(args, "n_dense_layers", 0)  # the plans' models are cut to the other blocks
+    piece.stage_kinds = [[i >= dense for i in range(args.n_layers)]]
     if dims.pp > 1:  # a split can be uneven: the first and last stages take a block fewer
         layers = stage_layers(args.n_layers, dims.pp, ParallelOptions.from_config(changed, device_type))
+        piece.stage_kinds = [[i >= dense for i in stage] for stage in layers]
         schedule = changed.parallelism.pipeline_parallel_schedule
         blocks = [sum(len(layers[i]) for i in stage_ids(r, dims.pp, schedule)) / stages
                   for r in range(dims.pp)]
@@ -665,11 +672,17 @@ def search(cfg: JobConfig, world: int, device: Device, *, device_type: str = "cu
     block, moe_flops = block_parameters(spec, args), moe_flops_per_token(spec, args)
     for piece in pieces:
         piece.block_parameters, piece.moe_flops_per_token = block, moe_flops
+    keeps: dict[tuple[int, int, int], dict[str, float]] = {}  # _learn_keeps
     bounds = {id(p): speed_bound(p, device, flops_per_token, t.seq_len, speedups) for p in pieces}
     untimed = sorted(pieces, key=lambda p: -bounds[id(p)])
     waiting: list[_Sized] = []  # timed, not yet checked against memory
     too_big_rows: dict[tuple, int] = {}
     while True:
+        learned = _learn_keeps(pieces, keeps)
+        for piece in (p for p in untimed if _keeps_key(p) in learned):  # their bounds may fall
+            bounds[id(piece)] = speed_bound(piece, device, flops_per_token, t.seq_len, speedups,
+                                            keeps[_keeps_key(piece)])
+        untimed.sort(key=lambda p: -bounds[id(p)])
         # a layout faster than any untimed one could be is checked now: its place is final
         threshold = bounds[id(untimed[0])] if untimed else -1.0
         ready = [s for s in waiting if s.layout.tokens_per_second_per_device > threshold]
@@ -697,6 +710,29 @@ def search(cfg: JobConfig, world: int, device: Device, *, device_type: str = "cu
     result.too_big.sort(key=lambda lay: lay.peak)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _keeps_key(piece: _Piece) -> tuple[int, int, int]:
+    """What one block's forward keeps depends on (besides the model, rows and AC mode): TP, CP, EP."""
+    return piece.dims.tp, piece.dims.cp, piece.dims.ep
+
+
+def _learn_keeps(pieces: list[_Piece], keeps: dict[tuple[int, int, int], dict[str, float]]
+                 ) -> set[tuple[int, int, int]]:
+    """Fill `keeps` (_keeps_key → AC mode → bytes one block's forward keeps for its backward at one
+    row, layout_bounds.least_in_flight_peak) from the first rank's plans at two microbatches and its
+    mode's two depths, where a piece has run them (its last local stage's: the first of an
+    interleaved rank holds the embedding too); the keys learned anew."""
+    learned = set()
+    for p in pieces:
+        into = keeps.setdefault(_keeps_key(p), {})
+        for mode in (m for m in AC_MODES if m not in into):
+            low, high = p.depths[mode]
+            plans = [p.results.get(p.plan_key((p.ranks[0], mode, k, 1, 2), True)) for k in (low, high)]
+            if all(plan is not None and plan.stage_keeps for plan in plans):
+                into[mode] = max(0.0, (plans[1].stage_keeps[-1] - plans[0].stage_keeps[-1]) / (high - low))
+                learned.add(_keeps_key(p))
+    return learned
 
 
 def _next_pieces(untimed: list[_Piece], plans: int) -> list[_Piece]:

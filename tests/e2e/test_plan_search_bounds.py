@@ -43,8 +43,22 @@ def test_the_least_peak_is_below_the_planned_state_and_peak(rows):
     flat = [r for r in rows if r["pp"] == 1]
     assert flat and all(r["least_peak"] <= r["state"] for r in flat)
     # a pipeline keeps its stage's weights gathered and gradients unsharded until the last backward
-    piped = [r for r in rows if "peak" in r]
+    piped = [r for r in rows if "peak" in r and r["pp"] > 1]
     assert len(piped) >= 5 and all(r["least_peak"] <= r["peak"] for r in piped)
+
+
+def test_what_forwards_in_flight_keep_bounds_the_peak_from_another_layouts_plans(rows):
+    """The search learns what one block's forward keeps from the first layout of each TP, CP and EP
+    degrees it times, and bounds the peak of every other before timing it: the state of its blocks,
+    the weights a pipeline keeps gathered, and its forwards in flight at the first backward (dense
+    blocks, which keep less than the MoE blocks planned, not counted). Below every planned peak,
+    and above the state alone without AC, where a forward's keeps are known."""
+    peaked = [r for r in rows if "peak" in r]
+    assert len(peaked) > 15 and {r["ac_mode"] for r in peaked} == {"none", "full"}
+    assert {r["pp"] > 1 for r in peaked} == {True, False}
+    low = [r["layout"] for r in peaked if not r["state_only"] <= r["in_flight_peak"] <= r["peak"]]
+    assert not low
+    assert all(r["in_flight_peak"] > r["state_only"] for r in peaked if r["ac_mode"] == "none")
 
 
 def test_every_step_sends_at_least_its_floors_and_eps_is_what_it_sends(rows):

@@ -171,6 +171,7 @@ def test_a_pipelines_lower_bound_on_its_peak_holds_and_counts_its_forwards_in_fl
     from components.config.loading import load_config
     from planning.depth_scaling import state_floor
     from planning.devices import DEVICES
+    from planning.layout_bounds import least_in_flight_peak
 
     checked = []
     check = search_module._check_fastest
@@ -202,6 +203,16 @@ def test_a_pipelines_lower_bound_on_its_peak_holds_and_counts_its_forwards_in_fl
             assert [n for _, n, _ in starts] == [in_flight, in_flight - 1]
             assert all(alive < most for alive, _, most in starts)  # a backward makes gradients
     assert above == {(stages, mode) for stages in (1, 2) for mode in ("none", "selective", "full")}, above
+    # before a layout is timed, what its forwards in flight keep (learned from the others' plans)
+    # bounds its peak too: in every mode — selective AC's from its unchecked blocks without AC
+    keeps: dict = {}
+    search_module._learn_keeps(list({id(s.piece): s.piece for s in checked}.values()), keeps)
+    for s in checked:
+        known = keeps[search_module._keeps_key(s.piece)]
+        assert set(known) == {"none", "selective", "full"}
+        least = least_in_flight_peak(s.piece, s.replicas, s.layout.ac_mode, known)
+        assert least_in_flight_peak(s.piece, s.replicas, s.layout.ac_mode, {}) < least <= s.layout.peak, (
+            s.layout.describe(), least, s.layout.peak)
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])

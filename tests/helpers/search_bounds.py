@@ -1,7 +1,8 @@
 """Every layout of a search timed, none checked against memory, with what its piece's bounds said:
 prints JSON, one row per timed layout — its piece's speed bound and least peak, its prediction,
-planned state and (under a pipeline, in full AC at one row) planned peak, and its first rank's
-planned bytes beside the communication floors.
+planned state and (at one row: without AC, and under a pipeline in full AC) planned peak beside the least
+layout_bounds.least_in_flight_peak gives it, and its first rank's planned bytes beside the
+communication floors.
 
     python -m tests.helpers.search_bounds WORLD RANKS_PER_NODE [config arguments...]
 
@@ -20,7 +21,7 @@ from components.config.loading import load_config
 from planning import search as S
 from planning.depth_scaling import state_floor
 from planning.devices import DEVICES
-from planning.layout_bounds import communication_floor, speed_bound
+from planning.layout_bounds import communication_floor, least_in_flight_peak, speed_bound
 
 
 def main() -> None:
@@ -51,12 +52,17 @@ def main() -> None:
     S._sized_layouts = sized
     S._check_fastest = lambda *_: None  # nothing ranked: every layout is timed
     S.search(load_config(args), world, device, top=1)
-    peaks = [(row, s) for row, s in zip(rows, timed, strict=True)
-             if s.piece.dims.pp > 1 and s.layout.ac_mode == "full" and s.layout.rows == 1]
+    keeps: dict = {}
+    S._learn_keeps(list({id(s.piece): s.piece for s in timed}.values()), keeps)  # from the timing plans
+    peaks = [(row, s) for row, s in zip(rows, timed, strict=True) if s.layout.rows == 1
+             and (s.layout.ac_mode == "none" or (s.piece.dims.pp > 1 and s.layout.ac_mode == "full"))]
     jobs = {(id(s.piece), key): (s.piece, key) for _, s in peaks for key in s.needs()}
     S._plan(list(jobs.values()), 2)
     for row, s in peaks:
-        row["peak"] = s.peak(1)
+        row["peak"] = s.peak(s.layout.rows)
+        row["in_flight_peak"] = least_in_flight_peak(s.piece, s.replicas, s.layout.ac_mode,
+                                                     keeps[S._keeps_key(s.piece)])
+        row["state_only"] = least_in_flight_peak(s.piece, s.replicas, s.layout.ac_mode, {})
     print(json.dumps(rows))
 
 
