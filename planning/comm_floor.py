@@ -11,8 +11,9 @@ each group's floor is its own.
 
 Expert parallel's floor per step: each routed (token, choice) row sent to its expert's rank and its
 output sent back, and both again as gradients in backward. Tensor parallel's: each block's attention
-gathers its input sequence and reduce-scatters its output (an all-reduce moves as much), and its
-backward the same for their gradients. (CP and the pipeline's sends: no floor is claimed.)
+and feed-forward (or MoE layer) gather their input sequence and reduce-scatter their output (an
+all-reduce moves as much), and their backward the same for the gradients. (CP and the pipeline's
+sends: no floor is claimed.)
 """
 
 from __future__ import annotations
@@ -85,12 +86,16 @@ def expert_parallel_floor(moe_layers: float, tokens: float, top_k: int, dim: int
     return {"ep": {"all-to-all": 4 * moe_layers * tokens * top_k * dim * _BYTES[dtype]}}
 
 
-def tensor_parallel_floor(blocks: float, tokens: float, dim: int, dtype: str) -> dict[str, dict[str, float]]:
+def tensor_parallel_floor(blocks: float, tokens: float, dim: int, dtype: str, expert_parallel: bool = False
+                          ) -> dict[str, dict[str, float]]:
     """{"tp": {kind: bytes}}: a TP group whose ranks hold `tokens` per step between them, through
-    `blocks` blocks, gathers `dim` elements per token twice per block (attention's input, forward;
-    its output's gradient, backward) and reduce-scatters as many."""
-    nbytes = 2 * blocks * tokens * dim * _BYTES[dtype]
-    return {"tp": {"all-gather": nbytes, "reduce-scatter": nbytes}}
+    `blocks` blocks under sequence parallel, gathers `dim` elements per token for its attention's
+    input and its feed-forward's (or MoE layer's) and reduce-scatters both outputs, forward; its
+    backward the reverse for their gradients: 4 all-gathers and 4 reduce-scatters per block. An MoE
+    layer under EP runs whole on every TP rank: its output is cut to the rank's shard, not reduced,
+    and its gradient gathered back (models/moe/parallelize.py): 4 all-gathers, 2 reduce-scatters."""
+    row = blocks * tokens * dim * _BYTES[dtype]
+    return {"tp": {"all-gather": 4 * row, "reduce-scatter": (2 if expert_parallel else 4) * row}}
 
 
 def against_floor(communication: dict[str, dict[str, int]], floor: dict[str, dict[str, int]]

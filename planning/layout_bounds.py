@@ -144,7 +144,8 @@ def communication_floor(piece: _Piece, tokens: int, replicas: int) -> dict[str, 
     floor = sharded_floor(stored, replicas, options.param_dtype, options.reduce_dtype, reductions)
     routed = tokens / (d.dp * d.cp)
     if d.tp > 1:
-        floor |= tensor_parallel_floor(blocks, routed, piece.args.dim, options.param_dtype)
+        floor |= tensor_parallel_floor(blocks, routed, piece.args.dim, options.param_dtype,
+                                       expert_parallel=d.ep > 1 and moe is not None)
     if d.ep > 1 and moe is not None:
         floor |= expert_parallel_floor(blocks, routed, moe.top_k, piece.args.dim, options.param_dtype)
     return floor

@@ -57,11 +57,14 @@ def test_a_ranks_groups_blocks_twice_the_rest_once_experts_over_what_ep_leaves()
 
 
 def test_tp_and_ep_floors_move_every_token_forward_and_back():
-    # 3 blocks, 100 tokens of dim 16 in bf16: attention's input gathered and output reduce-scattered,
-    # forward and backward; every (token, choice) of top 2 sent and returned, forward and backward
+    # 3 blocks, 100 tokens of dim 16 in bf16: attention's and the feed-forward's inputs gathered and
+    # outputs reduce-scattered, forward and backward (an MoE layer under EP: its output cut, its
+    # gradient gathered); every (token, choice) of top 2 sent and returned, forward and backward
     nbytes = 3 * 100 * 16 * 2
-    assert tensor_parallel_floor(3, 100, 16, "bfloat16") == {"tp": {"all-gather": 2 * nbytes,
-                                                                     "reduce-scatter": 2 * nbytes}}
+    assert tensor_parallel_floor(3, 100, 16, "bfloat16") == {"tp": {"all-gather": 4 * nbytes,
+                                                                     "reduce-scatter": 4 * nbytes}}
+    assert tensor_parallel_floor(3, 100, 16, "bfloat16", expert_parallel=True) == {
+        "tp": {"all-gather": 4 * nbytes, "reduce-scatter": 2 * nbytes}}
     assert expert_parallel_floor(3, 100, 2, 16, "bfloat16") == {"ep": {"all-to-all": 4 * 2 * nbytes}}
 
 
