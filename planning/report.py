@@ -202,7 +202,8 @@ def format_search(result: SearchResult) -> str:
              f"seq {r.seq_len}",
              f"{r.considered} layouts enumerated, {r.refused} refused by the trainer's checks; of "
              f"{r.distinct} distinct, {r.distinct - r.untimed} timed ({r.untimed} could not beat those "
-             f"ranked even at their least communication); {r.sized} sized and ranked by predicted speed; "
+             f"ranked even at their least communication and peak); {r.sized} sized and ranked by predicted "
+             "speed; "
              f"of the fastest, {r.checked} checked against memory, {r.too_big_by_rows} too big as fewer rows "
              f"per microbatch were, {r.floored} by a lower bound on their peak; {r.planned} fake plans in "
              f"{r.seconds:,.0f} s",
