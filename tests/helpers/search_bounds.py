@@ -59,7 +59,7 @@ def main() -> None:
     jobs = {(id(s.piece), key): (s.piece, key) for _, s in peaks for key in s.needs()}
     S._plan(list(jobs.values()), 2)
     for row, s in peaks:
-        row["peak"] = s.peak(s.layout.rows)
+        row["peak"] = s.peak(1)
         row["in_flight_peak"] = least_in_flight_peak(s.piece, s.replicas, s.layout.ac_mode,
                                                      keeps[S._keeps_key(s.piece)])
         row["state_only"] = least_in_flight_peak(s.piece, s.replicas, s.layout.ac_mode, {})
