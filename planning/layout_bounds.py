@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from parallelisms.pipeline import stage_ids
-from planning.comm_floor import expert_parallel_floor, fsdp_gathers, sharded_floor, tensor_parallel_floor
+from planning.comm_floor import (
+    expert_parallel_floor,
+    fsdp_gathers,
+    rank_floor_groups,
+    sharded_floor,
+    tensor_parallel_floor,
+)
 from planning.devices import Device
 from planning.layout_space import closed_form_bubble, layout_degrees, rows_options
 from planning.pipeline_bubble import forwards_in_flight
@@ -131,17 +137,17 @@ def communication_floor(piece: _Piece, tokens: int, replicas: int) -> dict[str, 
     the head only add."""
     d, options, blocks = piece.dims, piece.options, piece.first_rank_blocks
     moe = getattr(piece.args, "moe", None)
-    shard = d.dp // replicas * d.cp
     every, experts = piece.block_parameters
-    # EP's experts are FSDP-sharded over what it leaves of dp_shard × cp, the rest over all of it
-    fsdp = "dp_shard_cp" if d.cp > 1 else "dp_shard"
-    groups = [(fsdp, every, shard)]
-    if d.ep > 1:
-        groups = [(fsdp, every - experts, shard), ("dp_shard_mod_ep", experts / d.ep, shard // d.ep)]
+
+    def stored(parameters: float) -> dict[str, int]:  # fp32 master bytes a rank holds of its blocks'
+        return {"float32": int(parameters * blocks / (d.tp * (d.dp // replicas) * d.cp)) * 4}
+
     gathers, reductions = fsdp_passes(piece)
-    stored = [(name, {"float32": int(parameters * blocks / (d.tp * ranks)) * 4}, ranks, gathers)
-              for name, parameters, ranks in groups]
-    floor = sharded_floor(stored, replicas, options.param_dtype, options.reduce_dtype, reductions)
+    groups = rank_floor_groups(stored(every), stored(every), stored(experts), layout_degrees(d, replicas),
+                               gathers)
+    floor = sharded_floor(groups, replicas, options.param_dtype, options.reduce_dtype, reductions)
+    if "fsdp" in floor:  # named as the plans name its group
+        floor["dp_shard_cp" if d.cp > 1 else "dp_shard"] = floor.pop("fsdp")
     routed = tokens / (d.dp * d.cp)
     if d.tp > 1:
         floor |= tensor_parallel_floor(blocks, routed, piece.args.dim, options.param_dtype,
