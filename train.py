@@ -10,6 +10,7 @@ and checkpoints; main() turns errors into one line and a clean exit.
 """
 
 import contextlib
+import faulthandler
 import os
 import signal
 import sys
@@ -558,6 +559,9 @@ def main(argv: list[str]) -> int:
     and a non-zero exit code."""
     rank = int(os.environ.get("RANK", "0"))
     watch_agent()  # first: a worker whose agent is gone stops at once
+    # A crash in native code (a segfault in a kernel or a collective's thread) prints every thread's
+    # Python stack to stderr instead of dying silently with torchrun's "exit -11".
+    faulthandler.enable(all_threads=True)
     trainer, store, timeout = None, None, 0
     try:
         cfg = load_config(argv)

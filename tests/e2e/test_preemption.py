@@ -101,15 +101,18 @@ def test_signal_saves_and_exits_zero_then_resumes(straight, sig, target, tmp_pat
         assert abs(rows[step] - straight[step]) <= 1e-5 * straight[step], step
 
 
-def test_killed_rank_restarts_all_and_resumes(straight, tmp_path, data_cache):
+def test_crashed_rank_restarts_all_and_resumes(straight, tmp_path, data_cache):
+    """A rank that crashes in native code (a segfault) says where, every Python thread's stack
+    (train.py enables faulthandler); torchrun restarts the job, which resumes from its checkpoint."""
     args = [*TINY, *STEPS, "--checkpoint.enable", "--checkpoint.interval", "5",
             *dump_args(tmp_path, data_cache)]
     proc = launch(args, "--max-restarts=1")
     wait_for(lambda: (tmp_path / "checkpoint" / "step-10").exists(), proc)
     victim = workers_of(proc.pid)[-1]
-    os.kill(victim, signal.SIGKILL)
+    os.kill(victim, signal.SIGSEGV)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-12000:]
+    assert "Fatal Python error: Segmentation fault" in err and 'train.py", line' in err, err[-12000:]
     assert out.count("resumed from") == 1
     rows = last_rows(tmp_path)
     assert max(rows) == 40
