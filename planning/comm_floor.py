@@ -11,9 +11,12 @@ each group's floor is its own.
 
 Expert parallel's floor per step: each routed (token, choice) row sent to its expert's rank and its
 output sent back, and both again as gradients in backward. Tensor parallel's: each block's attention
-and feed-forward (or MoE layer) gather their input sequence and reduce-scatter their output (an
-all-reduce moves as much), and their backward the same for the gradients. (CP and the pipeline's
-sends: no floor is claimed.)
+and feed-forward (or MoE layer) gather their input sequence and reduce-scatter their output, and
+their backward the reverse for the gradients, in the compute dtype (planning/model_shape.py's
+tensor_parallel_rows says where Kiln's plans need less); an all-reduce counts as a reduction. More
+is named: autocast's float32 norms, loss parallel off, AC's recomputed forwards, an MoE layer
+without EP summing its input's gradient by all-reduces. (CP and the pipeline's sends, and TP under
+float8, whose linears gather in float8: no floor is claimed.)
 """
 
 from __future__ import annotations
@@ -86,16 +89,31 @@ def expert_parallel_floor(moe_layers: float, tokens: float, top_k: int, dim: int
     return {"ep": {"all-to-all": 4 * moe_layers * tokens * top_k * dim * _BYTES[dtype]}}
 
 
-def tensor_parallel_floor(blocks: float, tokens: float, dim: int, dtype: str, expert_parallel: bool = False
-                          ) -> dict[str, dict[str, float]]:
-    """{"tp": {kind: bytes}}: a TP group whose ranks hold `tokens` per step between them, through
-    `blocks` blocks under sequence parallel, gathers `dim` elements per token for its attention's
-    input and its feed-forward's (or MoE layer's) and reduce-scatters both outputs, forward; its
-    backward the reverse for their gradients: 4 all-gathers and 4 reduce-scatters per block. An MoE
-    layer under EP runs whole on every TP rank: its output is cut to the rank's shard, not reduced,
-    and its gradient gathered back (models/moe/parallelize.py): 4 all-gathers, 2 reduce-scatters."""
-    row = blocks * tokens * dim * _BYTES[dtype]
-    return {"tp": {"all-gather": 4 * row, "reduce-scatter": (2 if expert_parallel else 4) * row}}
+def tensor_parallel_floor(gathers: float, reductions: float, tokens: float, dim: int, dtype: str,
+                          loss_passes: float = 0) -> dict[str, dict[str, float]]:
+    """{"tp": {kind: bytes}}: a TP group whose ranks hold `tokens` per step between them gathers
+    `gathers` rows of `dim` elements per token and reduce-scatters `reductions` (as
+    model_shape.tensor_parallel_rows counts them); loss parallel's cross-entropy all-reduces three
+    float32 numbers per token on each of `loss_passes` passes through the head (the logits' max, the
+    sum of their exponentials, the label's logit), counted with the reductions, as every all-reduce
+    of TP is (all_reduces_as_reductions)."""
+    row = tokens * dim * _BYTES[dtype]
+    return {"tp": {"all-gather": gathers * row,
+                   "reduce-scatter": reductions * row + loss_passes * tokens * 3 * _BYTES["float32"]}}
+
+
+def all_reduces_as_reductions(communication: dict[str, dict[str, int]], dim: str = "tp"
+                              ) -> dict[str, dict[str, int]]:
+    """The step's bytes with `dim`'s all-reduces counted as reduce-scatters: an all-reduce reduces as a
+    reduce-scatter does (and gathers too), so one that stands where a reduce-scatter would do is
+    held to the reductions' floor rather than going below it."""
+    out = {}
+    for label, kinds in communication.items():
+        kinds = dict(kinds)
+        if dim in label.split(" = ") and "all-reduce" in kinds:
+            kinds["reduce-scatter"] = kinds.get("reduce-scatter", 0) + kinds.pop("all-reduce")
+        out[label] = kinds
+    return out
 
 
 def against_floor(communication: dict[str, dict[str, int]], floor: dict[str, dict[str, int]]

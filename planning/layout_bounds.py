@@ -150,8 +150,9 @@ def communication_floor(piece: _Piece, tokens: int, replicas: int) -> dict[str, 
         floor["dp_shard_cp" if d.cp > 1 else "dp_shard"] = floor.pop("fsdp")
     routed = tokens / (d.dp * d.cp)
     if d.tp > 1:
-        floor |= tensor_parallel_floor(blocks, routed, piece.args.dim, options.param_dtype,
-                                       expert_parallel=d.ep > 1 and moe is not None)
+        gathered, reduced = piece.tensor_parallel_rows[d.ep > 1]
+        floor |= tensor_parallel_floor(blocks * gathered, blocks * reduced, routed, piece.args.dim,
+                                       options.param_dtype)
     if d.ep > 1 and moe is not None:
         floor |= expert_parallel_floor(blocks, routed, moe.top_k, piece.args.dim, options.param_dtype)
     return floor

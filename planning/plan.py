@@ -63,6 +63,7 @@ class Plan:
     param_dtype: str = "float32"  # what FSDP gathers in
     reduce_dtype: str = "float32"  # what gradients are reduced in
     reshard_after_forward: str = "default"  # FSDP's setting (parallelisms/fsdp.py)
+    loss_parallel: bool = True  # under TP, the logits stay sharded over the vocabulary
     hidden: int = 0  # the model's hidden size (what an MoE layer's all-to-alls send per routed token)
     top_k: int = 0  # experts each token is routed to (0: a dense model)
     moe_flops_per_token: float = 0.0  # the MoE layers' (planning/model_shape.py)
@@ -170,6 +171,7 @@ def _prepare(cfg: JobConfig, world_size: int, device: Device, *, device_type: st
                 device=device, mfu=mfu, flops_per_token=0, facts=_facts(cfg, dims, args),
                 param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype,
                 reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+                loss_parallel=options.loss_parallel,
                 hidden=getattr(args, "dim", 0), top_k=getattr(getattr(args, "moe", None), "top_k", 0))
     ranks = ranks if ranks is not None else default_ranks(world_size, dims.pp)
     bad = [r for r in ranks if not 0 <= r < world_size]

@@ -32,7 +32,7 @@ from parallelisms.materialize import to_empty_keeping_ties
 from planning.balanced_routing import balance_routing
 from planning.cuda_attention import cuda_attention
 from planning.fake_world import fake_world, mesh_group_names
-from planning.model_shape import expert_parameters, in_blocks
+from planning.model_shape import TensorParallelRows, expert_parameters, in_blocks, tensor_parallel_rows
 from planning.pipeline_bubble import schedule_bubble
 from planning.step_tracker import StepTracker
 from training.assembly import (
@@ -64,6 +64,8 @@ class RankPlan:
     calls: dict[str, dict[str, int]]  # mesh dim → kind → collectives per step
     bubble: float | None = None  # pipeline idle fraction (None without PP)
     moe_layers: int = 0  # layers routed by the balanced assumption
+    # what TP gathers and reduces at least per token (model_shape.tensor_parallel_rows)
+    tensor_parallel_rows: TensorParallelRows = field(default_factory=TensorParallelRows)
     # of the parameters the blocks' (FSDP gathers them again for backward) and the routed experts'
     # (under EP sharded over another group than the rest): planning/comm_floor.py
     block_parameters: dict[str, int] = field(default_factory=dict)
@@ -453,7 +455,10 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
     # each stage's second forward's keeps, once every stage has run two (none below two microbatches)
     stage_keeps = ([second_forwards[i] for i in range(len(parts))] if len(second_forwards) == len(parts)
                    else [])
+    tp_rows = TensorParallelRows(*(sum(n) for n in zip(*(tensor_parallel_rows(part, dims.ep > 1)
+                                                         for part in parts), strict=True)))
     return RankPlan(rank=0, coordinates={}, stages=list(built.stage_ids), parameters=sizes["parameters"],
+                    tensor_parallel_rows=tp_rows,
                     block_parameters=bytes_by_dtype([p for part in parts for p in in_blocks(part)]),
                     expert_parameters=bytes_by_dtype([p for part in parts for p in expert_parameters(part)]),
                     gradients=grads, optimizer=sizes["optimizer"], buffers=buffers, peak=tracker.peak,

@@ -7,10 +7,12 @@ import json
 
 from planning.comm_floor import (
     against_floor,
+    all_reduces_as_reductions,
     expert_parallel_floor,
     fsdp_gathers,
     rank_floor_groups,
     sharded_floor,
+    tensor_parallel_floor,
 )
 from planning.plan import AC_MODES, Plan
 from planning.rank_plan import RankPlan
@@ -112,8 +114,8 @@ def format_plan(plan: Plan) -> str:
 
 
 def floor_lines(plan: Plan) -> list[str]:
-    """FSDP's, HSDP's and EP's bytes against the least the layout needs (planning/comm_floor.py), and
-    why a step sends more."""
+    """FSDP's, HSDP's, TP's and EP's bytes against the least the layout needs (planning/comm_floor.py),
+    and why a step sends more."""
     if plan.facts is None:
         return []
     d = plan.facts.degrees
@@ -125,20 +127,45 @@ def floor_lines(plan: Plan) -> list[str]:
         floor = sharded_floor(groups, d["dp_replicate"], plan.param_dtype, plan.reduce_dtype)
         if d["ep"] > 1 and r.moe_layers:
             floor |= expert_parallel_floor(r.moe_layers, tokens, plan.top_k, plan.hidden, plan.param_dtype)
-        for dim, kind, ratio in against_floor(r.communication, floor):
+        if d["tp"] > 1 and not plan.facts.float8:  # float8 linears gather in float8, below it
+            rows = r.tensor_parallel_rows
+            floor |= tensor_parallel_floor(rows.gathers, rows.reductions, tokens, plan.hidden,
+                                           plan.param_dtype, rows.heads if plan.loss_parallel else 0)
+        for dim, kind, ratio in against_floor(all_reduces_as_reductions(r.communication), floor):
             worst[(dim, kind)] = max(ratio, worst.get((dim, kind), 0.0))
     if not worst:
         return []
     cells = ", ".join(f"{dim} {kind} {ratio:.2f}×" for (dim, kind), ratio in sorted(worst.items()))
-    over = {kind for (_, kind), ratio in worst.items() if ratio > 1.05}
-    why = []
-    if over & {"all-gather", "reduce-scatter", "all-reduce"}:
-        why.append("FSDP's collectives once per microbatch (fewer, larger microbatches send less)")
-    if "all-to-all" in over:  # EP's: each routed token there and back is all it needs
-        why.append(f"AC {plan.ac_mode} recomputes forwards, whose dispatch and combine send again"
-                   if plan.ac_mode != "none" else "EP sends more than each routed token there and back")
+    why = above_floor_reasons(plan, {key for key, ratio in worst.items() if ratio > 1.05})
     above = f"; above it: {'; '.join(why)}" if why else ""
     return [f"floor    sent / least this layout needs: {cells}{above}"]
+
+
+def above_floor_reasons(plan: Plan, over: set[tuple[str, str]]) -> list[str]:
+    """Why the step sends more than its floor on the (group, kind)s in `over`: the code paths and
+    settings that do (docs/planning.md)."""
+    tp = {kind for dim, kind in over if "tp" in dim.split(" = ")}
+    rest = {kind for dim, kind in over if "tp" not in dim.split(" = ")}
+    why = []
+    if rest & {"all-gather", "reduce-scatter", "all-reduce"}:
+        why.append("FSDP's collectives once per microbatch (fewer, larger microbatches send less)")
+    if tp and "autocast" in plan.numerics:
+        why.append("without FSDP's mixed precision, autocast keeps the norms' and the embedding's outputs "
+                   "in float32, and TP gathers and reduce-scatters them so")
+    if tp and not plan.loss_parallel:
+        why.append("loss parallel off: TP gathers the logits whole")
+    if "reduce-scatter" in tp and plan.facts.degrees["ep"] == 1 and any(r.moe_layers for r in plan.ranks):
+        why.append("an MoE layer without EP sums its input's gradient by all-reductions (its routed and its "
+                   "shared experts' each) where one reduce-scatter would do")
+    if "all-gather" in tp and any(r.tensor_parallel_rows.joins for r in plan.ranks):
+        why.append("an MTP module's joining projection gathers its output's column shards whole to cut "
+                   "them to sequence shards, forward and backward (an all-to-all would do)")
+    if tp or "all-to-all" in rest:
+        if plan.ac_mode != "none":
+            why.append(f"AC {plan.ac_mode} recomputes forwards, whose collectives send again")
+        elif "all-to-all" in rest:  # EP's: each routed token there and back is all it needs
+            why.append("EP sends more than each routed token there and back")
+    return why
 
 
 def step_lines(plan: Plan) -> list[str]:

@@ -50,7 +50,7 @@ from planning.layout_space import (
     layout_degrees,
     rows_options,
 )
-from planning.model_shape import block_parameters, moe_flops_per_token
+from planning.model_shape import block_parameters, block_tensor_parallel_rows, moe_flops_per_token
 from planning.pipeline_bubble import forwards_before_first_backward
 from planning.plan import AC_MODES, _run_tasks, count_parameters, default_ranks
 from planning.rank_plan import RankPlan
@@ -142,6 +142,8 @@ class _Piece:
     shallow_rows: tuple[int, ...] = ()
     replicas: set[int] = field(default_factory=lambda: {1})  # HSDP replica counts derived from it
     block_parameters: tuple[int, int] = (0, 0)  # what a block adds: all parameters, the routed experts'
+    # what a block gathers and reduces per token under TP, without EP and with it (model_shape)
+    tensor_parallel_rows: tuple[tuple[float, float], ...] = ((4.0, 4.0), (4.0, 2.0))
     # per pipeline stage (the model without one), whether each of its blocks is of the kind planned
     stage_kinds: list[list[bool]] = field(default_factory=list)
     moe_flops_per_token: float = 0.0  # the MoE layers' (planning/model_shape.py)
@@ -670,8 +672,10 @@ def search(cfg: JobConfig, world: int, device: Device, *, device_type: str = "cu
     flops_per_token = spec.flops_per_token_fn(args, count_parameters(spec, args), t.seq_len)
     speedups = {"compile": cfg.compile.enable, "float8": float8}
     block, moe_flops = block_parameters(spec, args), moe_flops_per_token(spec, args)
+    tp_rows = block_tensor_parallel_rows(spec, args)
     for piece in pieces:
         piece.block_parameters, piece.moe_flops_per_token = block, moe_flops
+        piece.tensor_parallel_rows = tp_rows
     keeps: dict[tuple[int, int, int], dict[str, float]] = {}  # _learn_keeps
     bounds = {id(p): speed_bound(p, device, flops_per_token, t.seq_len, speedups) for p in pieces}
     untimed = sorted(pieces, key=lambda p: -bounds[id(p)])

@@ -196,7 +196,8 @@ class MoE(nn.Module):
         weights = self.partial_grad_sync(weights)
         order = experts.flatten().argsort(stable=True)  # (token, choice) pairs grouped by expert
         token_of = order // a.top_k
-        routed = self.dispatch(self.partial_grad_sync(x[token_of]), counts, self.experts)
+        # Summed before the copies per choice: one row a token rather than top_k of them.
+        routed = self.dispatch(self.partial_grad_sync(x)[token_of], counts, self.experts)
         routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
         out = torch.zeros_like(x).index_add_(0, token_of, routed.to(x.dtype))
         if self.shared_experts is not None:

@@ -152,17 +152,27 @@ MOE4 = ["--config", "moe_debug", "--model.flavor", "tiny", "--training.seq_len",
         "--parallelism.expert_parallel_degree", "2"]
 
 
+DEEPSEEK4 = ["--config", "deepseek_v3_debug", "--model.flavor", "tiny", "--training.seq_len", "64",
+             "--training.local_batch_size", "4", "--training.global_batch_size", "8",
+             "--parallelism.tensor_parallel_degree", "2"]
+
+
 @pytest.mark.parametrize("world,args,groups", [  # FSDP alone: test_what_sends_more_than_its_floor_is_named
     (4, [*TINY, "--parallelism.pipeline_parallel_degree", "2"], {"dp_shard"}),
     (4, MOE4, {"dp_shard", "dp_shard_mod_ep", "ep"}),
     (4, [*MOE4, "--parallelism.data_parallel_replicate_degree", "2"], {"dp_replicate", "dp_shard_cp", "ep"}),
-], ids=["pp2_fsdp2", "fsdp4_ep2", "hsdp2x2_ep2"])
+    (4, [*TINY, "--parallelism.tensor_parallel_degree", "2"], {"dp_shard", "tp"}),
+    (4, [*DEEPSEEK4, "--parallelism.expert_parallel_degree", "2"], {"dp_shard", "ep", "tp"}),
+], ids=["pp2_fsdp2", "fsdp4_ep2", "hsdp2x2_ep2", "fsdp2_tp2", "deepseek_tp2_ep2"])
 def test_a_step_of_one_microbatch_sends_its_floors_exactly(world, args, groups):
     """FSDP's floor: the blocks gathered for forward and again for backward (once under a pipeline,
     whose stages keep them), the embedding and head once (parallelisms/fsdp.py), every gradient
     reduce-scattered once, HSDP's shards all-reduced once — under EP the experts over dp_shard_mod_ep,
-    their replicas' all-reduce dp_replicate's; EP's: each routed token there and back. A step of one
-    microbatch without AC sends just that (EP: and the counts per expert), every group named."""
+    their replicas' all-reduce dp_replicate's; EP's: each routed token there and back; TP's: each
+    block's inputs gathered and outputs reduced, forward and backward, the embedding's and the head's
+    once each way (DeepSeek-V3's MLA: its latents' gradients all-reduced instead of its input's; an
+    MoE layer under EP: nothing reduced). A step of one microbatch without AC sends just that (EP: and
+    the counts per expert; TP: and the norms' weight gradients), every group named."""
     proc = plan_cli(*args, "--world-size", str(world), "--activation_checkpoint.mode", "none",
                     "--no-ac-modes", "--no-suggestions")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -186,7 +196,25 @@ def test_what_sends_more_than_its_floor_is_named():
                     "--no-ac-modes", "--no-suggestions")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert floor_ratios(proc.stdout)["dp_shard = ep all-to-all"] == pytest.approx(1.5, abs=0.01)
-    assert "recomputes forwards, whose dispatch and combine send again" in proc.stdout
+    assert "recomputes forwards, whose collectives send again" in proc.stdout
+
+
+def test_what_tp_sends_above_its_floor_is_named():
+    """TP without FSDP runs under autocast, which keeps the norms' and the embedding's outputs in
+    float32: of the tiny model's 10 rows each way (4 per block, the embedding's and the head's), 6 go
+    in float32 — exactly 1.60×. An MoE layer without EP sums its input's gradient by all-reduces
+    (its routed and shared experts' each) where one reduce-scatter would do."""
+    proc = plan_cli(*TINY, "--world-size", "2", "--parallelism.tensor_parallel_degree", "2",
+                    "--no-ac-modes", "--no-suggestions")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert floor_ratios(proc.stdout) == {"tp all-gather": 1.6, "tp reduce-scatter": 1.6}
+    assert "autocast keeps the norms' and the embedding's outputs in float32" in proc.stdout
+    proc = plan_cli(*DEEPSEEK4, "--world-size", "4", "--no-ac-modes", "--no-suggestions")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ratios = floor_ratios(proc.stdout)
+    assert ratios["tp all-gather"] == pytest.approx(1.0, abs=0.005) and ratios["tp reduce-scatter"] > 1.2
+    assert "an MoE layer without EP sums its input's gradient by all-reductions" in proc.stdout
+    assert "autocast" not in proc.stdout
 
 
 def test_json_shape():

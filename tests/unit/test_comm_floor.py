@@ -3,6 +3,7 @@ them. That a planned step sends at least its floors: tests/e2e/test_plan_search_
 
 from planning.comm_floor import (
     against_floor,
+    all_reduces_as_reductions,
     expert_parallel_floor,
     fsdp_floor,
     fsdp_gathers,
@@ -57,15 +58,22 @@ def test_a_ranks_groups_blocks_twice_the_rest_once_experts_over_what_ep_leaves()
 
 
 def test_tp_and_ep_floors_move_every_token_forward_and_back():
-    # 3 blocks, 100 tokens of dim 16 in bf16: attention's and the feed-forward's inputs gathered and
-    # outputs reduce-scattered, forward and backward (an MoE layer under EP: its output cut, its
-    # gradient gathered); every (token, choice) of top 2 sent and returned, forward and backward
-    nbytes = 3 * 100 * 16 * 2
-    assert tensor_parallel_floor(3, 100, 16, "bfloat16") == {"tp": {"all-gather": 4 * nbytes,
-                                                                     "reduce-scatter": 4 * nbytes}}
-    assert tensor_parallel_floor(3, 100, 16, "bfloat16", expert_parallel=True) == {
-        "tp": {"all-gather": 4 * nbytes, "reduce-scatter": 2 * nbytes}}
-    assert expert_parallel_floor(3, 100, 2, 16, "bfloat16") == {"ep": {"all-to-all": 4 * 2 * nbytes}}
+    # 100 tokens of dim 16 in bf16: 14 rows gathered and 12 reduced (model_shape.tensor_parallel_rows
+    # counts them), and loss parallel's three float32 sums per token through the head twice; every
+    # (token, choice) of top 2 through 3 MoE layers sent and returned, forward and backward
+    row = 100 * 16 * 2
+    assert tensor_parallel_floor(14, 12, 100, 16, "bfloat16") == {"tp": {"all-gather": 14 * row,
+                                                                         "reduce-scatter": 12 * row}}
+    assert tensor_parallel_floor(14, 12, 100, 16, "bfloat16", loss_passes=2) == {
+        "tp": {"all-gather": 14 * row, "reduce-scatter": 12 * row + 2 * 100 * 3 * 4}}
+    assert expert_parallel_floor(3, 100, 2, 16, "bfloat16") == {"ep": {"all-to-all": 4 * 2 * 3 * row}}
+
+
+def test_tp_all_reduces_count_as_reductions():
+    sent = {"tp": {"all-gather": 10, "reduce-scatter": 6, "all-reduce": 3}, "dp_shard": {"all-reduce": 5}}
+    assert all_reduces_as_reductions(sent) == {"tp": {"all-gather": 10, "reduce-scatter": 9},
+                                               "dp_shard": {"all-reduce": 5}}
+    assert sent["tp"]["all-reduce"] == 3  # the step's own numbers are left as they are
 
 
 def test_a_step_that_gathers_per_microbatch_sends_more_than_the_floor():

@@ -1,7 +1,18 @@
 """What the planner reads of a model's shape from meta models (planning/model_shape.py)."""
 
+import dataclasses
+
+import torch
+
 from components.config.loading import load_config
-from planning.model_shape import block_parameters, moe_flops_per_token
+from parallelisms.pipeline import make_stage_model
+from planning.model_shape import (
+    TensorParallelRows,
+    block_parameters,
+    block_tensor_parallel_rows,
+    moe_flops_per_token,
+    tensor_parallel_rows,
+)
 from training.assembly import load_model_family
 
 
@@ -24,3 +35,34 @@ def test_a_block_adds_its_parameters_and_of_them_its_routed_experts():
     every, experts = block_parameters(spec, args)
     m = args.moe
     assert experts == 3 * args.dim * m.hidden_dim * m.num_experts and every > experts
+
+
+def test_tp_rows_count_blocks_and_every_pass_through_the_ends():
+    """Rows of a microbatch's tokens TP gathers and reduces at least, per token: Llama's blocks 4 each
+    way, the embedding and the head one each. DeepSeek-V3's MLA runs its low-rank down projections
+    whole and reduces their latents' gradients (q_lora + kv_lora + rope = 24 + 32 + 8 of dim 64: one
+    row) instead of its input's; an MoE layer under EP reduces nothing. The last pipeline stage of an
+    MTP model embeds the MTP ids with its copy of the embedding, and its head runs once per depth more."""
+    spec, args = load_model_family(load_config(["--config", "llama_debug", "--model.flavor", "tiny"]))
+    with torch.device("meta"):
+        llama = spec.model_cls(args)
+    assert tensor_parallel_rows(llama, False) == TensorParallelRows(4 * 2 + 2, 4 * 2 + 2, 1)
+    first, last = make_stage_model(llama, [0], True, False), make_stage_model(llama, [1], False, True)
+    assert tensor_parallel_rows(first, False) == TensorParallelRows(5, 5, 0)
+    assert tensor_parallel_rows(last, False) == TensorParallelRows(5, 5, 1)
+
+    spec, args = load_model_family(load_config(["--config", "deepseek_v3_debug", "--model.flavor", "tiny"]))
+    latents = args.q_lora_rank + args.kv_lora_rank + args.qk_rope_head_dim
+    assert (latents, args.n_dense_layers) == (args.dim, 1)
+    mla = 1 + 1  # the output reduced and the latents' gradients
+    assert block_tensor_parallel_rows(spec, args) == ((4, mla + 2), (4, mla))
+    with torch.device("meta"):
+        deepseek = spec.model_cls(dataclasses.replace(args, mtp_depth=1))
+    # a dense block, an MoE block and the MTP module's; the MTP module's joining projection gathers its
+    # two inputs; the embedding passes the tokens and the MTP ids, the head the main and MTP rows
+    joined, ends = 2, 2 + 2
+    assert tensor_parallel_rows(deepseek, True) == TensorParallelRows(
+        3 * 4 + joined + ends, (mla + 2) + 2 * mla + joined + ends, 2, 1)
+    last = make_stage_model(deepseek, [1], False, True)
+    assert tensor_parallel_rows(last, False) == TensorParallelRows(
+        2 * 4 + joined + 1 + 2, 2 * (mla + 2) + joined + 1 + 2, 2, 1)
