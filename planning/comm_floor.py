@@ -15,8 +15,9 @@ and feed-forward (or MoE layer) gather their input sequence and reduce-scatter t
 their backward the reverse for the gradients, in the compute dtype (planning/model_shape.py's
 tensor_parallel_rows says where Kiln's plans need less); an all-reduce counts as a reduction. More
 is named: autocast's float32 norms, loss parallel off, AC's recomputed forwards, an MoE layer
-without EP summing its input's gradient by all-reduces. (CP and the pipeline's sends, and TP under
-float8, whose linears gather in float8: no floor is claimed.)
+without EP summing its input's gradient by all-reduces, an MTP module's output planned as gloo's
+all-gather. (CP and the pipeline's sends, TP under float8, whose linears gather in float8, and a
+model's own TP plan: no floor is claimed.)
 """
 
 from __future__ import annotations

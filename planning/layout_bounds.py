@@ -149,7 +149,7 @@ def communication_floor(piece: _Piece, tokens: int, replicas: int) -> dict[str, 
     if "fsdp" in floor:  # named as the plans name its group
         floor["dp_shard_cp" if d.cp > 1 else "dp_shard"] = floor.pop("fsdp")
     routed = tokens / (d.dp * d.cp)
-    if d.tp > 1:
+    if d.tp > 1 and piece.tensor_parallel_rows is not None:
         gathered, reduced = piece.tensor_parallel_rows[d.ep > 1]
         floor |= tensor_parallel_floor(blocks * gathered, blocks * reduced, routed, piece.args.dim,
                                        options.param_dtype)

@@ -32,49 +32,62 @@ class TensorParallelRows(NamedTuple):
     gathers: float = 0.0
     reductions: float = 0.0
     heads: int = 0
-    joins: int = 0  # MTP modules, whose joining projection's output DTensor gathers whole (a row each way)
+    # MTP modules: DTensor moves each joining projection's output from column to sequence shards by an
+    # all-to-all on GPUs and, on the planner's CPU meshes (gloo has none), an all-gather
+    joins: int = 0
 
 
-def tensor_parallel_rows(module: nn.Module, expert_parallel: bool) -> TensorParallelRows:
+def tensor_parallel_rows(module: nn.Module, expert_parallel: bool) -> TensorParallelRows | None:
     """TP's floor of a model or stage as Kiln's plans split it (planning/comm_floor.py): each block's
     attention and feed-forward gather their input sequence and reduce-scatter their output, and
-    their backward the reverse: 4 rows gathered, 4 reduced. An MoE layer under EP runs whole on
-    every TP rank: its output is cut, not reduced, and its gradient gathered back (2 reduced).
-    MLA's plan (models/deepseek_v3/parallelize.py) runs its low-rank down projections whole, so its
-    input's gradient is complete on every rank and what it reduces is the latents' gradients, all-
-    reduced at their widths. An MTP module's joining projection gathers its two inputs (2 rows
-    each way). Each pass of the tokens through the embedding (its output reduce-scattered) or the
-    loss-parallel head (its input gathered) adds a row each way: the first stage embeds the tokens
-    and the MTP modules' ids, a later stage holding the embedding (the tied copy) their ids alone;
-    the head runs on the main model's rows and each depth's (models/llama3/model.py)."""
-    per_block = [block_rows(block, expert_parallel) for block in model_blocks(module)] if hasattr(
-        module, "layers") else []
+    their backward the reverse: 4 rows gathered, 4 reduced (block_rows says where less). An MTP
+    module's joining projection gathers its two inputs (2 rows each way). Each pass of the tokens
+    through the embedding (its output reduce-scattered) or the loss-parallel head (its input
+    gathered) adds a row each way: the first stage embeds the tokens and the MTP modules' ids, a
+    later stage holding the embedding (the tied copy) their ids alone; the head runs on the main
+    model's rows and each depth's (models/llama3/model.py). None where a block is not of Kiln's
+    kind (block_rows)."""
+    per_block = [block_rows(block, expert_parallel) for block in model_blocks(module)]
+    if None in per_block:
+        return None
     gathers, reductions = (sum(rows) for rows in zip((0.0, 0.0), *per_block, strict=True))
     depth = len(getattr(module, "mtp", None) or {})
-    first = "0" in (getattr(module, "layers", None) or {})
+    first = "0" in module.layers
     embeds = (first + depth) if getattr(module, "tok_embeddings", None) is not None else 0
     heads = (1 + depth) if getattr(module, "output", None) is not None else 0
     ends = 2 * depth + embeds + heads
     return TensorParallelRows(gathers + ends, reductions + ends, heads, depth)
 
 
-def block_rows(block: nn.Module, expert_parallel: bool) -> tuple[float, float]:
-    """(gathered, reduced) rows per token of one block under TP: tensor_parallel_rows's."""
-    attention = block.attention
-    latents = getattr(attention, "wq_a", None), getattr(attention, "wkv_a", None)
-    narrow = (sum(m.out_features for m in latents) / latents[0].in_features
-              if all(isinstance(m, nn.Linear) for m in latents) else None)
+def block_rows(block: nn.Module, expert_parallel: bool) -> tuple[float, float] | None:
+    """(gathered, reduced) rows per token of one block under TP: 4 and 4, but an MoE layer under EP
+    runs whole on every TP rank (its output cut, not reduced: 2 reduced), and MLA's plan
+    (models/deepseek_v3/parallelize.py) runs its down projections whole and all-reduces their
+    latents' gradients at their widths, reduce-scattering its input's gradient only where its queries
+    come from the input directly (wq, no q_lora_rank). None for a block without Kiln's `attention` and
+    `feed_forward` or `moe` (models/common/block.py): its own TP plan, whose floor is not known."""
+    attention = getattr(block, "attention", None)
+    if attention is None or all(getattr(block, name, None) is None for name in ("feed_forward", "moe")):
+        return None
+    downs = [m for m in (getattr(attention, "wq_a", None), getattr(attention, "wkv_a", None))
+             if isinstance(m, nn.Linear)]
+    attention_rows = 2.0
+    if downs:
+        queries_whole = 0 if isinstance(getattr(attention, "wq_a", None), nn.Linear) else 1
+        attention_rows = 1 + queries_whole + sum(m.out_features for m in downs) / downs[0].in_features
     routed_whole = expert_parallel and getattr(block, "moe_enabled", False)
-    return 4.0, (2 if narrow is None else 1 + narrow) + (0 if routed_whole else 2)
+    return 4.0, attention_rows + (0 if routed_whole else 2)
 
 
-def block_tensor_parallel_rows(spec: Any, args: Any) -> tuple[tuple[float, float], tuple[float, float]]:
+def block_tensor_parallel_rows(spec: Any, args: Any
+                               ) -> tuple[tuple[float, float], tuple[float, float]] | None:
     """What one block (an MoE block where the model has them, as the search's cut models are) gathers
-    and reduces per token under TP (block_rows): without EP, and with it."""
+    and reduces per token under TP (block_rows): without EP, and with it; None where not known."""
     cut = {"n_dense_layers": 0} if hasattr(args, "n_dense_layers") else {}
     with torch.device("meta"):
         block = model_blocks(spec.model_cls(dataclasses.replace(args, n_layers=1, **cut)))[0]
-    return block_rows(block, False), block_rows(block, True)
+    plain, routed = block_rows(block, False), block_rows(block, True)
+    return None if plain is None or routed is None else (plain, routed)
 
 
 def block_parameters(spec: Any, args: Any) -> tuple[int, int]:

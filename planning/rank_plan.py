@@ -64,8 +64,9 @@ class RankPlan:
     calls: dict[str, dict[str, int]]  # mesh dim → kind → collectives per step
     bubble: float | None = None  # pipeline idle fraction (None without PP)
     moe_layers: int = 0  # layers routed by the balanced assumption
-    # what TP gathers and reduces at least per token (model_shape.tensor_parallel_rows)
-    tensor_parallel_rows: TensorParallelRows = field(default_factory=TensorParallelRows)
+    # what TP gathers and reduces at least per token (model_shape.tensor_parallel_rows); None without
+    # sequence-parallel TP or where its plan is not Kiln's
+    tensor_parallel_rows: TensorParallelRows | None = None
     # of the parameters the blocks' (FSDP gathers them again for backward) and the routed experts'
     # (under EP sharded over another group than the rest): planning/comm_floor.py
     block_parameters: dict[str, int] = field(default_factory=dict)
@@ -91,6 +92,15 @@ class RankPlan:
     last_backward_peak: int = 0
     seconds: float = 0.0  # how long planning this rank took
     ac_peaks: dict[str, int] = field(default_factory=dict)  # peak per activation-checkpoint mode
+
+
+def _tensor_parallel_rows(parts: list[nn.Module], dims: Any) -> TensorParallelRows | None:
+    """The rank's parts' TP floor rows, summed: under sequence-parallel TP (apply_tp marks the
+    model), where every part's blocks are of Kiln's kind."""
+    if dims.tp == 1 or not all(getattr(part, "tp_sequence_parallel", False) for part in parts):
+        return None
+    rows = [tensor_parallel_rows(part, dims.ep > 1) for part in parts]
+    return None if None in rows else TensorParallelRows(*(sum(n) for n in zip(*rows, strict=True)))
 
 
 class LocalOptimizer:
@@ -455,8 +465,7 @@ def _run_steps(cfg: JobConfig, args: Any, dims: Any, options: ParallelOptions, b
     # each stage's second forward's keeps, once every stage has run two (none below two microbatches)
     stage_keeps = ([second_forwards[i] for i in range(len(parts))] if len(second_forwards) == len(parts)
                    else [])
-    tp_rows = TensorParallelRows(*(sum(n) for n in zip(*(tensor_parallel_rows(part, dims.ep > 1)
-                                                         for part in parts), strict=True)))
+    tp_rows = _tensor_parallel_rows(parts, dims)
     return RankPlan(rank=0, coordinates={}, stages=list(built.stage_ids), parameters=sizes["parameters"],
                     tensor_parallel_rows=tp_rows,
                     block_parameters=bytes_by_dtype([p for part in parts for p in in_blocks(part)]),

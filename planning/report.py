@@ -14,6 +14,7 @@ from planning.comm_floor import (
     sharded_floor,
     tensor_parallel_floor,
 )
+from planning.model_shape import TensorParallelRows
 from planning.plan import AC_MODES, Plan
 from planning.rank_plan import RankPlan
 from planning.search import Layout, SearchResult
@@ -127,8 +128,8 @@ def floor_lines(plan: Plan) -> list[str]:
         floor = sharded_floor(groups, d["dp_replicate"], plan.param_dtype, plan.reduce_dtype)
         if d["ep"] > 1 and r.moe_layers:
             floor |= expert_parallel_floor(r.moe_layers, tokens, plan.top_k, plan.hidden, plan.param_dtype)
-        if d["tp"] > 1 and not plan.facts.float8:  # float8 linears gather in float8, below it
-            rows = r.tensor_parallel_rows
+        rows = r.tensor_parallel_rows
+        if rows is not None and not plan.facts.float8:  # float8 linears gather in float8, below it
             floor |= tensor_parallel_floor(rows.gathers, rows.reductions, tokens, plan.hidden,
                                            plan.param_dtype, rows.heads if plan.loss_parallel else 0)
         for dim, kind, ratio in against_floor(all_reduces_as_reductions(r.communication), floor):
@@ -155,11 +156,11 @@ def above_floor_reasons(plan: Plan, over: set[tuple[str, str]]) -> list[str]:
     if tp and not plan.loss_parallel:
         why.append("loss parallel off: TP gathers the logits whole")
     if "reduce-scatter" in tp and plan.facts.degrees["ep"] == 1 and any(r.moe_layers for r in plan.ranks):
-        why.append("an MoE layer without EP sums its input's gradient by all-reductions (its routed and its "
-                   "shared experts' each) where one reduce-scatter would do")
-    if "all-gather" in tp and any(r.tensor_parallel_rows.joins for r in plan.ranks):
-        why.append("an MTP module's joining projection gathers its output's column shards whole to cut "
-                   "them to sequence shards, forward and backward (an all-to-all would do)")
+        why.append("an MoE layer without EP sums its input's gradient by all-reduces (its routed experts', "
+                   "and its shared experts' where it has them) where one reduce-scatter would do")
+    if "all-gather" in tp and any((r.tensor_parallel_rows or TensorParallelRows()).joins for r in plan.ranks):
+        why.append("an MTP module's joining projection moves its output from column to sequence shards, an "
+                   "all-to-all on GPUs, planned as gloo's all-gather (the planner's meshes are CPU ones)")
     if tp or "all-to-all" in rest:
         if plan.ac_mode != "none":
             why.append(f"AC {plan.ac_mode} recomputes forwards, whose collectives send again")

@@ -142,8 +142,9 @@ class _Piece:
     shallow_rows: tuple[int, ...] = ()
     replicas: set[int] = field(default_factory=lambda: {1})  # HSDP replica counts derived from it
     block_parameters: tuple[int, int] = (0, 0)  # what a block adds: all parameters, the routed experts'
-    # what a block gathers and reduces per token under TP, without EP and with it (model_shape)
-    tensor_parallel_rows: tuple[tuple[float, float], ...] = ((4.0, 4.0), (4.0, 2.0))
+    # what a block gathers and reduces per token under TP, without EP and with it (model_shape;
+    # None: a block whose TP plan is the model's own, no floor claimed)
+    tensor_parallel_rows: tuple[tuple[float, float], tuple[float, float]] | None = None
     # per pipeline stage (the model without one), whether each of its blocks is of the kind planned
     stage_kinds: list[list[bool]] = field(default_factory=list)
     moe_flops_per_token: float = 0.0  # the MoE layers' (planning/model_shape.py)

@@ -213,8 +213,16 @@ def test_what_tp_sends_above_its_floor_is_named():
     assert proc.returncode == 0, proc.stderr[-3000:]
     ratios = floor_ratios(proc.stdout)
     assert ratios["tp all-gather"] == pytest.approx(1.0, abs=0.005) and ratios["tp reduce-scatter"] > 1.2
-    assert "an MoE layer without EP sums its input's gradient by all-reductions" in proc.stdout
+    assert "an MoE layer without EP sums its input's gradient by all-reduces" in proc.stdout
     assert "autocast" not in proc.stdout
+    # a model with its own TP plan (the GPT-2 example, Megatron's without sequence parallel) is planned,
+    # its FSDP held to its floor, its TP to none claimed
+    proc = plan_cli("--config", "llama_debug", "--job.custom_import", "examples/gpt2_model.py",
+                    "--model.name", "gpt2", "--model.flavor", "tiny", "--training.seq_len", "64",
+                    "--world-size", "4", "--parallelism.tensor_parallel_degree", "2", "--no-ac-modes",
+                    "--no-suggestions")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert set(floor_ratios(proc.stdout)) == {"dp_shard all-gather", "dp_shard reduce-scatter"}, proc.stdout
 
 
 def test_json_shape():

@@ -66,3 +66,19 @@ def test_tp_rows_count_blocks_and_every_pass_through_the_ends():
     last = make_stage_model(deepseek, [1], False, True)
     assert tensor_parallel_rows(last, False) == TensorParallelRows(
         2 * 4 + joined + 1 + 2, 2 * (mla + 2) + joined + 1 + 2, 2, 1)
+
+
+def test_tp_rows_of_full_rank_queries_and_of_a_models_own_tp_plan():
+    """MLA without q_lora_rank takes its queries from the input through a column-parallel wq, so its
+    input's gradient is reduce-scattered besides its key-value latent's all-reduce (kv_lora + rope =
+    40 of 64). A block outside Kiln's kind (the GPT-2 example's `attn`, its own TP plan): no floor."""
+    spec, args = load_model_family(load_config(["--config", "deepseek_v3_debug", "--model.flavor", "tiny"]))
+    full = dataclasses.replace(args, q_lora_rank=None)
+    mla = 1 + 1 + (full.kv_lora_rank + full.qk_rope_head_dim) / full.dim
+    assert block_tensor_parallel_rows(spec, full) == ((4, mla + 2), (4, mla))
+    spec, args = load_model_family(load_config(["--config", "llama_debug", "--job.custom_import",
+                                                "examples/gpt2_model.py", "--model.name", "gpt2",
+                                                "--model.flavor", "tiny"]))
+    with torch.device("meta"):
+        assert tensor_parallel_rows(spec.model_cls(args), False) is None
+    assert block_tensor_parallel_rows(spec, args) is None
