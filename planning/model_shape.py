@@ -25,6 +25,13 @@ def in_blocks(module: nn.Module) -> list[nn.Parameter]:
     return [p for owner in owners for block in owner.values() for p in block.parameters()]
 
 
+def cut_to(args: Any, n_layers: int) -> Any:
+    """The model's arguments cut to `n_layers` blocks of one kind: MoE blocks where the model has
+    them (no dense first blocks), as the search's and depth scaling's plans are."""
+    dense = {"n_dense_layers": 0} if hasattr(args, "n_dense_layers") else {}
+    return dataclasses.replace(args, n_layers=n_layers, **dense)
+
+
 class TensorParallelRows(NamedTuple):
     """What a model or stage under TP gathers and reduces at least per token of a microbatch, in rows
     of the hidden size (forward and backward), and how often the tokens pass its head."""
@@ -83,9 +90,8 @@ def block_tensor_parallel_rows(spec: Any, args: Any
                                ) -> tuple[tuple[float, float], tuple[float, float]] | None:
     """What one block (an MoE block where the model has them, as the search's cut models are) gathers
     and reduces per token under TP (block_rows): without EP, and with it; None where not known."""
-    cut = {"n_dense_layers": 0} if hasattr(args, "n_dense_layers") else {}
     with torch.device("meta"):
-        block = model_blocks(spec.model_cls(dataclasses.replace(args, n_layers=1, **cut)))[0]
+        block = model_blocks(spec.model_cls(cut_to(args, 1)))[0]
     plain, routed = block_rows(block, False), block_rows(block, True)
     return None if plain is None or routed is None else (plain, routed)
 
@@ -93,11 +99,10 @@ def block_tensor_parallel_rows(spec: Any, args: Any
 def block_parameters(spec: Any, args: Any) -> tuple[int, int]:
     """The parameters one block adds to the model, and of them its routed experts' (an MoE block
     where the model has them, as the search's cut models are)."""
-    cut = {"n_dense_layers": 0} if hasattr(args, "n_dense_layers") else {}
     counts = []
     for n in (1, 2):
         with torch.device("meta"):
-            model = spec.model_cls(dataclasses.replace(args, n_layers=n, **cut))
+            model = spec.model_cls(cut_to(args, n))
         experts = expert_parameters(model)
         counts.append((sum(p.numel() for p in model.parameters()), sum(p.numel() for p in experts)))
     (every_one, experts_one), (every_two, experts_two) = counts

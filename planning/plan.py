@@ -22,7 +22,7 @@ from components.config.sections import JobConfig
 from components.runtime.errors import KilnError
 from models import ModelSpec
 from planning.devices import DEVICES, Device  # noqa: F401  (DEVICES: scripts/plan.py's table)
-from planning.model_shape import moe_flops_per_token
+from planning.model_shape import cut_to, moe_flops_per_token
 from planning.rank_plan import RankPlan, plan_rank
 from planning.step_time import LayoutFacts, StepTime, predict, rank_flops
 from training.assembly import build_layout, load_model_family
@@ -223,8 +223,7 @@ def _plan_task(task: tuple) -> RankPlan:
     warnings.filterwarnings("ignore")
     spec, args = load_model_family(cfg)
     if depth and depth[0] is not None:
-        args = dataclasses.replace(args, n_layers=depth[0],
-                                   **({"n_dense_layers": 0} if hasattr(args, "n_dense_layers") else {}))
+        args = cut_to(args, depth[0])
     options = dataclasses.replace(ParallelOptions.from_config(cfg, device_type), ac_mode=mode)
     return plan_rank(cfg, spec, args, options, world_size, rank, device_type, with_optimizer)
 
